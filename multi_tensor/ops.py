@@ -1,0 +1,115 @@
+"""The apex-compatible op front-ends.
+
+Each checks its scalar arguments, finds the bucket's device and hands the call to the backend
+registered for that device (see :mod:`multi_tensor.backends`). The backend checks the tensor
+lists. All checks run before any tensor is modified. Call them through
+``multi_tensor_applier(op, noop_flag, tensor_lists, *args)`` or directly with a chunk size first.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import validation
+from .backends import registry
+
+
+def _device_of(tensor_lists) -> Optional[torch.device]:
+    for tensors in tensor_lists:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return None
+
+
+def _check_chunk_size(op: str, chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{op}: chunk_size must be a positive integer, got {chunk_size!r}")
+
+
+def multi_tensor_fused_ema_adamw(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,
+                                 ema_decay: float, beta1: float, beta2: float, eps: float,
+                                 step: int, mode: int, bias_correction: bool, weight_decay: float,
+                                 *, grad_scale: Optional[torch.Tensor] = None,
+                                 maximize: bool = False, check_finite: bool = False) -> None:
+    """AdamW (``mode=1``) or Adam with L2 decay (``mode=0``) plus an EMA of the weights, in place.
+
+    ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs, emas]`` (one float dtype) or
+    ``[grads, params, exp_avgs, exp_avg_sqs, emas, masters]`` (fp16/bf16 params, fp32 state and
+    masters). Per element, in fp32 (SPEC section 2)::
+
+        bc1, bc2 = 1 - beta1**step, 1 - beta2**step      (1, 1 without bias_correction)
+        g  = grad / grad_scale (- if maximize) (+ weight_decay * p if mode 0)
+        m  = beta1 * m + (1 - beta1) * g
+        v  = beta2 * v + (1 - beta2) * g * g
+        p  = p - lr * ((m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p * mode)
+        s  = ema_decay * s + (1 - ema_decay) * p
+
+    ``noop_flag`` nonzero: nothing changes. ``check_finite``: if any grad is inf/NaN, set
+    ``noop_flag`` and change nothing.
+    """
+    op = "multi_tensor_fused_ema_adamw"
+    _check_chunk_size(op, chunk_size)
+    validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
+                                     ema_decay=ema_decay, weight_decay=weight_decay, step=step,
+                                     mode=mode)
+    step = validation.check_step(op, step)
+    device = _device_of(tensor_lists)
+    if device is None:
+        validation.check_adam_family_lists("fused_ema_adamw", tensor_lists)
+        return
+    registry.resolve("fused_ema_adamw", device)(
+        chunk_size, noop_flag, tensor_lists, float(lr), float(ema_decay), float(beta1),
+        float(beta2), float(eps), step, int(mode), bool(bias_correction), float(weight_decay),
+        grad_scale=grad_scale, maximize=bool(maximize), check_finite=bool(check_finite))
+
+
+def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,
+                      beta1: float, beta2: float, eps: float, step: int, mode: int,
+                      bias_correction: bool, weight_decay: float, *,
+                      grad_scale: Optional[torch.Tensor] = None, maximize: bool = False,
+                      check_finite: bool = False) -> None:
+    """apex ``multi_tensor_adam``: the update above without the EMA.
+
+    ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs]`` or, with fp32 masters for
+    fp16/bf16 params, ``[grads, params, exp_avgs, exp_avg_sqs, masters]``.
+    """
+    op = "multi_tensor_adam"
+    _check_chunk_size(op, chunk_size)
+    validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
+                                     weight_decay=weight_decay, step=step, mode=mode)
+    step = validation.check_step(op, step)
+    device = _device_of(tensor_lists)
+    if device is None:
+        validation.check_adam_family_lists("adam", tensor_lists)
+        return
+    registry.resolve("adam", device)(
+        chunk_size, noop_flag, tensor_lists, float(lr), float(beta1), float(beta2), float(eps),
+        step, int(mode), bool(bias_correction), float(weight_decay), grad_scale=grad_scale,
+        maximize=bool(maximize), check_finite=bool(check_finite))
+
+
+def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
+    """apex ``multi_tensor_scale``: ``dsts[i] = srcs[i] * scale`` (rounded once to dst's dtype).
+
+    Sets ``noop_flag`` to 1 if any source holds an inf or NaN (the copy still happens, as in apex).
+    """
+    op = "multi_tensor_scale"
+    _check_chunk_size(op, chunk_size)
+    device = _device_of(tensor_lists)
+    if device is None:
+        return
+    registry.resolve("scale", device)(chunk_size, noop_flag, tensor_lists, float(scale))
+
+
+def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                        per_tensor: bool = False):
+    """apex ``multi_tensor_l2norm``: ``(total_norm, per_tensor_norms)``, fp32 tensors.
+
+    Independent of chunk size and thread count. Sets ``noop_flag`` on an inf/NaN input.
+    """
+    op = "multi_tensor_l2norm"
+    _check_chunk_size(op, chunk_size)
+    device = _device_of(tensor_lists) or noop_flag.device
+    return registry.resolve("l2norm", device)(chunk_size, noop_flag, tensor_lists, bool(per_tensor))

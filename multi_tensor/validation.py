@@ -1,0 +1,176 @@
+"""Input checks shared by every backend's op front-end and by the optimizers.
+
+Every check runs before any tensor is modified and raises an error that names the op, the tensor
+(list name and index) and what is wrong with it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence
+
+import torch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# The lists each adam-family op takes, by list count. The master list is last.
+ADAM_FAMILY_LIST_NAMES = {
+    "fused_ema_adamw": {
+        5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas"),
+        6: ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters"),
+    },
+    "adam": {
+        4: ("grads", "params", "exp_avgs", "exp_avg_sqs"),
+        5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "masters"),
+    },
+}
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+def check_same_lengths(op: str, tensor_lists: Sequence[Sequence], names: Sequence[str]) -> int:
+    lengths = [len(tensors) for tensors in tensor_lists]
+    if len(set(lengths)) > 1:
+        detail = ", ".join(f"{n}={l}" for n, l in zip(names, lengths))
+        raise ValueError(f"{op}: tensor lists must have equal lengths, got {detail}")
+    return lengths[0] if lengths else 0
+
+
+def check_tensor(op: str, name: str, index: int, t, ref: Optional[torch.Tensor], ref_name: str):
+    """One tensor: a dense float tensor with the shape and device of the row's reference."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name}[{index}] must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise RuntimeError(
+            f"{op}: {name}[{index}] is a sparse tensor ({t.layout}); fused optimizers need dense "
+            f"tensors (sparse gradients are not supported)"
+        )
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: {name}[{index}] must be a floating-point tensor, got {t.dtype}")
+    if ref is not None and t is not ref:
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{op}: {name}[{index}] has shape {tuple(t.shape)} but {ref_name}[{index}] has "
+                f"shape {tuple(ref.shape)}"
+            )
+        if t.device != ref.device:
+            raise RuntimeError(
+                f"{op}: {name}[{index}] is on {t.device} but {ref_name}[{index}] is on {ref.device}"
+            )
+
+
+def check_list_dtype(op: str, name: str, tensors: Sequence[torch.Tensor], allowed) -> Optional[torch.dtype]:
+    """All tensors of one list share one dtype, from ``allowed``."""
+    if not tensors:
+        return None
+    dtype = tensors[0].dtype
+    for i, t in enumerate(tensors):
+        if t.dtype != dtype:
+            raise TypeError(
+                f"{op}: {name}[{i}] is {t.dtype} but {name}[0] is {dtype}; every tensor of one "
+                f"list must share one dtype (bucket tensors by dtype first)"
+            )
+    if dtype not in allowed:
+        raise TypeError(
+            f"{op}: {name} are {dtype}; supported: {', '.join(str(d) for d in allowed)}"
+        )
+    return dtype
+
+
+def check_rows(op: str, tensor_lists, names, ref_list: int = 1) -> int:
+    """Equal list lengths, and per row: dense float tensors of the reference tensor's shape/device."""
+    n = check_same_lengths(op, tensor_lists, names)
+    refs = tensor_lists[ref_list]
+    for li, (tensors, name) in enumerate(zip(tensor_lists, names)):
+        for i, t in enumerate(tensors):
+            check_tensor(op, name, i, t, refs[i] if li != ref_list else None, names[ref_list])
+    if n:
+        device = refs[0].device
+        for i, t in enumerate(refs):
+            if t.device != device:
+                raise RuntimeError(
+                    f"{op}: {names[ref_list]}[{i}] is on {t.device} but {names[ref_list]}[0] is on "
+                    f"{device}; one call runs on one device (bucket tensors by device first)"
+                )
+    return n
+
+
+def check_adam_family_lists(op: str, tensor_lists) -> tuple:
+    """Lists of an adam-family op (see ADAM_FAMILY_LIST_NAMES); returns the list names."""
+    forms = ADAM_FAMILY_LIST_NAMES[op]
+    if not isinstance(tensor_lists, (list, tuple)) or len(tensor_lists) not in forms:
+        got = len(tensor_lists) if isinstance(tensor_lists, (list, tuple)) else type(tensor_lists).__name__
+        raise ValueError(
+            f"{op}: tensor_lists must be "
+            + " or ".join(f"[{', '.join(names)}]" for names in forms.values())
+            + f"; got {got} lists"
+        )
+    names = forms[len(tensor_lists)]
+    n = check_rows(op, tensor_lists, names)
+    if n == 0:
+        return names
+    has_master = names[-1] == "masters"
+    param_dtype = check_list_dtype(op, "params", tensor_lists[1], PARAM_DTYPES)
+    state_dtype = torch.float32 if has_master else param_dtype
+    if has_master and param_dtype == torch.float64:
+        raise TypeError(f"{op}: params are float64; fp32 master weights are for fp16/bf16/fp32 params")
+    for li in range(2, len(names)):
+        dtype = check_list_dtype(op, names[li], tensor_lists[li], PARAM_DTYPES)
+        if dtype != state_dtype:
+            raise TypeError(
+                f"{op}: {names[li]} are {dtype} but must be {state_dtype} "
+                + ("(optimizer state and masters are fp32 in the master-weights form)" if has_master
+                   else "(the same dtype as params)")
+            )
+    grad_allowed = (torch.float64,) if param_dtype == torch.float64 else GRAD_DTYPES
+    check_list_dtype(op, "grads", tensor_lists[0], grad_allowed)
+    return names
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_hyperparameters(op: str, *, lr=None, eps=None, beta1=None, beta2=None, ema_decay=None,
+                          weight_decay=None, step=None, mode=None) -> None:
+    """Scalar hyperparameters: finite, and in the range the update is defined for."""
+    def real(name, value):
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"{op}: {name} must be a number or a 1-element tensor")
+            value = value.item()
+        if not _is_real(value) or not math.isfinite(float(value)):
+            raise ValueError(f"{op}: {name} must be a finite real number, got {value!r}")
+        return float(value)
+
+    if lr is not None and real("lr", lr) < 0.0:
+        raise ValueError(f"{op}: invalid learning rate lr={lr}: must be >= 0")
+    if eps is not None and real("eps", eps) < 0.0:
+        raise ValueError(f"{op}: invalid epsilon eps={eps}: must be >= 0")
+    for name, value in (("beta1", beta1), ("beta2", beta2), ("ema_decay", ema_decay)):
+        if value is not None and not 0.0 <= real(name, value) < 1.0:
+            raise ValueError(f"{op}: invalid {name}={value}: must be in [0, 1)")
+    if weight_decay is not None and real("weight_decay", weight_decay) < 0.0:
+        raise ValueError(f"{op}: invalid weight_decay={weight_decay}: must be >= 0")
+    if step is not None:
+        check_step(op, step)
+    if mode is not None and mode not in (0, 1):
+        raise ValueError(f"{op}: mode must be 0 (Adam, L2 decay) or 1 (AdamW, decoupled decay), got {mode!r}")
+
+
+def check_step(op: str, step) -> int:
+    """A step is a positive integer (an int, or an integer-valued 1-element tensor)."""
+    value = step
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"{op}: step must be a 1-element tensor, got shape {tuple(step.shape)}")
+        value = step.item()
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{op}: step must be a positive integer, got {step!r}")
+    return int(value)
