@@ -1,0 +1,115 @@
+"""FusedEmaAdamW: AdamW and an EMA of the weights in one pass over memory."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from multi_tensor import multi_tensor_applier, validation
+
+from .base import LOW_PRECISION, FusedOptimizerBase
+from .ema import EmaAccessMixin
+
+
+class FusedEmaAdamW(EmaAccessMixin, FusedOptimizerBase):
+    r"""AdamW (or Adam) with an exponential moving average of the weights, fused.
+
+    For every param with a grad, per element, in fp32 (the seed operator's formula)::
+
+        bc1 = 1 - beta1^t,  bc2 = 1 - beta2^t             (1 and 1 if not bias_correction)
+        g   = grad                          (-grad if maximize; unscaled by GradScaler's scale)
+        g   = g + weight_decay * p                         if not adam_w_mode (Adam, L2)
+        m   = beta1 * m + (1 - beta1) * g
+        v   = beta2 * v + (1 - beta2) * g^2
+        p   = p - lr * ( (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p )   # decay term
+                                                           only in adam_w_mode (decoupled)
+        ema = ema_decay * ema + (1 - ema_decay) * p
+
+    All of it is one multi-tensor engine call per (device, dtype) bucket per step, reading each
+    of grad, p, m, v, ema once and writing p, m, v, ema once.
+
+    Args:
+        params: iterable of params or dicts defining param groups.
+        lr: learning rate. betas: ``(beta1, beta2)``. eps: added to the denominator.
+        weight_decay: decoupled decay in ``adam_w_mode``, L2 penalty otherwise (default 1e-2
+            as ``torch.optim.AdamW``).
+        ema_decay: EMA decay per step.
+        adam_w_mode: ``True``: AdamW (mode 1); ``False``: Adam with L2 decay (mode 0).
+        bias_correction: divide the moments by ``1 - beta^t``.
+        master_weights: fp16/bf16 params keep an fp32 ``master_param``; moments and EMA are fp32;
+            the param is the master rounded once per step. ``False``: state in the param dtype.
+        maximize: maximize the objective instead of minimizing.
+        chunk_size: elements per unit of parallel work (never changes a result).
+
+    State per param: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq``, ``ema`` and,
+    for fp16/bf16 params with master weights, ``master_param``.
+    """
+
+    _op = "fused_ema_adamw"
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, ema_decay: float = 0.9999, *,
+                 adam_w_mode: bool = True, bias_correction: bool = True,
+                 master_weights: bool = True, maximize: bool = False,
+                 chunk_size: int = multi_tensor_applier.chunk_size):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        ema_decay=ema_decay, adam_w_mode=adam_w_mode,
+                        bias_correction=bias_correction, master_weights=master_weights,
+                        maximize=maximize)
+        self._check_group(defaults)
+        super().__init__(params, defaults, chunk_size=chunk_size)
+
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{type(self).__name__}: betas must be a pair (beta1, beta2), got {betas!r}")
+        validation.check_hyperparameters(
+            type(self).__name__, lr=group["lr"], eps=group["eps"], beta1=betas[0],
+            beta2=betas[1], ema_decay=group["ema_decay"], weight_decay=group["weight_decay"])
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1])
+
+    @staticmethod
+    def _uses_master(p: torch.Tensor, group: Dict[str, Any]) -> bool:
+        return bool(group["master_weights"]) and p.dtype in LOW_PRECISION
+
+    def _init_state(self, p: torch.Tensor, group: Dict[str, Any], state: Dict[str, Any]) -> None:
+        use_master = self._uses_master(p, group)
+        state_dtype = torch.float32 if use_master else p.dtype
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if use_master and state.get("master_param") is None:
+            state["master_param"] = p.detach().to(dtype=torch.float32, copy=True)
+        weights = state["master_param"] if use_master else p.detach()
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state.get(key) is None:
+                state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
+            elif state[key].dtype != state_dtype:
+                state[key] = state[key].to(dtype=state_dtype)
+        if state.get("ema") is None:
+            state["ema"] = weights.to(dtype=state_dtype, copy=True)
+        elif state["ema"].dtype != state_dtype:
+            state["ema"] = state["ema"].to(dtype=state_dtype)
+
+    def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> List[List[torch.Tensor]]:
+        states = [self.state[p] for p in params]
+        lists = [list(params), [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                 [s["ema"] for s in states]]
+        if self._uses_master(params[0], group):
+            lists.append([s["master_param"] for s in states])
+        return lists
+
+    def _ema_decay(self, group: Dict[str, Any], step: int) -> float:
+        return float(group["ema_decay"])
+
+    def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
+        self._check_group(group)
+        beta1, beta2 = group["betas"]
+        return (float(group["lr"]), self._ema_decay(group, step), float(beta1), float(beta2),
+                float(group["eps"]), step, 1 if group["adam_w_mode"] else 0,
+                bool(group["bias_correction"]), float(group["weight_decay"]))
+
+    def _before_step(self, work) -> None:
+        self._check_not_swapped()
