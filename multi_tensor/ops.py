@@ -90,6 +90,49 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
         maximize=bool(maximize), check_finite=bool(check_finite))
 
 
+def multi_tensor_radam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,
+                       beta1: float, beta2: float, eps: float, step: int, weight_decay: float,
+                       decoupled_weight_decay: bool, ema_decay: Optional[float] = None, *,
+                       grad_scale: Optional[torch.Tensor] = None, maximize: bool = False,
+                       check_finite: bool = False) -> None:
+    """``torch.optim.RAdam``'s update, with an optional EMA of the weights, in place.
+
+    ``ema_decay`` None: ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs]`` or, with
+    fp32 masters for fp16/bf16 params, ``[grads, params, exp_avgs, exp_avg_sqs, masters]``.
+    ``ema_decay`` a float: ``[grads, params, exp_avgs, exp_avg_sqs, emas]`` or
+    ``[grads, params, exp_avgs, exp_avg_sqs, emas, masters]``. So a five-list call is told apart
+    by ``ema_decay``. Per element, in fp32 (t = step)::
+
+        g   = grad / grad_scale (- if maximize)
+        p   = p * (1 - lr * weight_decay)        if decoupled_weight_decay
+        g   = g + weight_decay * p               otherwise (L2)
+        m   = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
+        rho_inf = 2 / (1 - beta2) - 1;  rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t)
+        p   = p - lr * m / (1 - beta1^t) * rect * sqrt(1 - beta2^t) / (sqrt(v) + eps)  if rho_t > 5
+        p   = p - lr * m / (1 - beta1^t)                                                otherwise
+        s   = ema_decay * s + (1 - ema_decay) * p
+
+    The exact operation order is the reference backend's
+    (:func:`multi_tensor.backends.reference.radam`).
+    ``noop_flag`` nonzero: nothing changes. ``check_finite``: a non-finite grad sets ``noop_flag``
+    and nothing changes.
+    """
+    op = "multi_tensor_radam"
+    _check_chunk_size(op, chunk_size)
+    validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
+                                     ema_decay=ema_decay, weight_decay=weight_decay, step=step)
+    step = validation.check_step(op, step)
+    device = _device_of(tensor_lists)
+    if device is None:
+        validation.check_adam_family_lists(validation.radam_lists_key(ema_decay), tensor_lists)
+        return
+    registry.resolve("radam", device)(
+        chunk_size, noop_flag, tensor_lists, float(lr), float(beta1), float(beta2), float(eps),
+        step, float(weight_decay), bool(decoupled_weight_decay),
+        None if ema_decay is None else float(ema_decay), grad_scale=grad_scale,
+        maximize=bool(maximize), check_finite=bool(check_finite))
+
+
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
     """apex ``multi_tensor_scale``: ``dsts[i] = srcs[i] * scale`` (rounded once to dst's dtype).
 

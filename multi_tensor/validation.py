@@ -25,7 +25,25 @@ ADAM_FAMILY_LIST_NAMES = {
         4: ("grads", "params", "exp_avgs", "exp_avg_sqs"),
         5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "masters"),
     },
+    # radam's five-list form is ambiguous: the op's ``ema_decay`` argument decides it (None: no
+    # EMA list, the fifth list is masters; a float: the fifth list is emas). See radam_lists_key.
+    "radam": {
+        4: ("grads", "params", "exp_avgs", "exp_avg_sqs"),
+        5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "masters"),
+    },
+    "radam_ema": {
+        5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas"),
+        6: ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters"),
+    },
 }
+
+
+def radam_lists_key(ema_decay) -> str:
+    """The ADAM_FAMILY_LIST_NAMES key of a radam call's lists.
+
+    ``"radam"`` when ``ema_decay`` is None (no EMA list), else ``"radam_ema"``.
+    """
+    return "radam" if ema_decay is None else "radam_ema"
 
 
 def _describe(t: torch.Tensor) -> str:
