@@ -222,7 +222,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         ``torch.optim.Optimizer`` casts floating state to the param's dtype; fp32 masters, moments
         and EMA of fp16/bf16 params must stay fp32, so they are restored from the saved copy
         (moved to the param's device) after the base class has loaded everything else.
+
+        A ``torch.optim`` Adam/AdamW/RAdam state dict loads too (see :mod:`fused_optim.compat`):
+        moments and steps are taken over, masters and EMA start from the params. Group options a
+        saved dict lacks keep their current values.
         """
+        from . import compat
+
+        state_dict, from_torch = compat.adapt_state_dict(self, state_dict)
         saved_state = state_dict["state"]
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(state_dict)
@@ -233,4 +240,15 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     self.state[p][key] = value.to(device=p.device, copy=True)
                 elif key == "step" and isinstance(value, torch.Tensor):
                     self.state[p][key] = value.detach().to(device="cpu", dtype=torch.float32, copy=True)
+        if from_torch:
+            compat.complete_loaded_state(self)
         self._plans.clear()
+
+    def torch_state_dict(self, torch_cls=None) -> Dict[str, Any]:
+        """A state dict the matching ``torch.optim`` optimizer (AdamW/Adam/RAdam) loads and continues.
+
+        See :func:`fused_optim.compat.torch_state_dict` (EMA and masters are not part of it).
+        """
+        from . import compat
+
+        return compat.torch_state_dict(self, torch_cls)

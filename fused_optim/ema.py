@@ -1,30 +1,111 @@
-"""EMA access for optimizers that keep an EMA shadow ``state[p]["ema"]`` of each param.
+"""EMA access and EMA schedules for optimizers that keep an EMA shadow ``state[p]["ema"]``.
 
 The EMA of a param that has not stepped yet is the param itself.
+
+:class:`EmaAccessMixin` gives every such optimizer (``FusedEmaAdamW``, ``FusedRAdam(ema_decay=...)``)
+
+* the per-step decay through the ``_ema_decay(group, step)`` hook, from the group's schedule options
+  (``ema_schedule``, ``ema_start_step``, ``ema_inv_gamma``, ``ema_power``, ``ema_min_decay``; see
+  :mod:`fused_optim.ema_schedules`). Decays are computed for every bucket before any tensor is
+  modified, so a bad schedule value raises with nothing changed;
+* evaluation with EMA weights: ``swap_ema_weights()`` (a context manager), and MindSpeed's /
+  diffusers' ``store()`` / ``copy_to()`` / ``restore()``;
+* export: ``copy_ema_to(module_or_tensors)`` and ``ema_state_dict(module)``.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from . import ema_schedules
+
+Params = Union[None, torch.nn.Module, Iterable[torch.Tensor]]
+_KEEP = object()
+
 
 class EmaAccessMixin:
-    """Swap, copy and export the EMA weights of a :class:`FusedOptimizerBase` subclass."""
+    """EMA schedules and EMA access for a :class:`FusedOptimizerBase` subclass (list it first)."""
 
     _ema_swapped = False
+    _ema_stored: Optional[List[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
+    _ema_decay_cache: Optional[Dict[Tuple[int, int], Optional[float]]] = None
+    last_ema_decays: Dict[Tuple[int, int], float] = {}
+
+    # --- schedules ----------------------------------------------------------------------------
+    def _ema_decay(self, group: Dict[str, Any], step: int) -> Optional[float]:
+        """The EMA decay for ``group``'s params at optimizer step ``step`` (None: no EMA kept)."""
+        cache = self._ema_decay_cache
+        if cache is not None and (id(group), step) in cache:
+            return cache[(id(group), step)]
+        return ema_schedules.group_ema_decay(type(self).__name__, group, step)
+
+    def _before_step(self, work) -> None:
+        self._check_not_swapped()
+        cache: Dict[Tuple[int, int], Optional[float]] = {}
+        used: Dict[Tuple[int, int], float] = {}
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        check_group = getattr(self, "_check_group", None)
+        if check_group is not None:  # every group's hyperparameters, before any bucket runs
+            for group in {id(g): g for g, _, _ in work}.values():
+                check_group(group)
+        for group, bucket, _ in work:
+            key = (id(group), bucket.step + 1)
+            if key not in cache:
+                cache[key] = ema_schedules.group_ema_decay(type(self).__name__, group, key[1])
+                if cache[key] is not None:
+                    used[(index[id(group)], key[1])] = cache[key]
+        self._ema_decay_cache = cache
+        self.last_ema_decays = used
+        super()._before_step(work)
+
+    def _after_step(self, work) -> None:
+        self._ema_decay_cache = None
+        super()._after_step(work)
+
+    def ema_decay_at(self, step: int, group: int = 0) -> Optional[float]:
+        """The decay the EMA update at optimizer step ``step`` (>= 1) of ``param_groups[group]`` uses."""
+        return ema_schedules.group_ema_decay(type(self).__name__, self.param_groups[group], int(step))
+
+    def set_ema_schedule(self, ema_schedule=_KEEP, *, ema_start_step=_KEEP, ema_inv_gamma=_KEEP,
+                         ema_power=_KEEP, ema_min_decay=_KEEP) -> None:
+        """Set EMA schedule options on every param group (and the defaults of groups added later).
+
+        For optimizers whose constructor does not take them; options not given are left as they
+        are. They are stored in the param groups, so ``state_dict()`` saves them.
+        """
+        given = {k: v for k, v in dict(ema_schedule=ema_schedule, ema_start_step=ema_start_step,
+                                       ema_inv_gamma=ema_inv_gamma, ema_power=ema_power,
+                                       ema_min_decay=ema_min_decay).items() if v is not _KEEP}
+        for group in self.param_groups:
+            ema_schedules.check_group(type(self).__name__, {**group, **given})
+        for group in self.param_groups:
+            group.update(given)
+        self.defaults.update(given)
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _own_params(self) -> List[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
 
     def _ema_pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``[(param, ema)]`` for every param that has an EMA, in param-group order."""
         pairs = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if state and state.get("ema") is not None:
-                    pairs.append((p, state["ema"]))
+        for p in self._own_params():
+            state = self.state.get(p)
+            if state and state.get("ema") is not None:
+                pairs.append((p, state["ema"]))
         return pairs
+
+    def _ema_of(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state.get(p)
+        ema = state.get("ema") if state else None
+        return p if ema is None else ema
+
+    def _master_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        state = self.state.get(p)
+        return state.get("master_param") if state else None
 
     def _check_not_swapped(self) -> None:
         if self._ema_swapped:
@@ -32,13 +113,57 @@ class EmaAccessMixin:
                 f"{type(self).__name__}.step() called inside swap_ema_weights(): the params hold "
                 f"the EMA weights there; step after the block ends")
 
+    @staticmethod
+    def _as_tensors(parameters) -> List[torch.Tensor]:
+        if isinstance(parameters, torch.nn.Module):
+            return list(parameters.parameters())
+        if isinstance(parameters, torch.Tensor):
+            return [parameters]
+        return list(parameters)
+
+    def _targets(self, what: str, parameters: Params) -> List[torch.Tensor]:
+        """``parameters`` as tensors matching the optimizer's params one to one (None: its own)."""
+        own = self._own_params()
+        if parameters is None:
+            return own
+        targets = self._as_tensors(parameters)
+        if len(targets) != len(own):
+            raise ValueError(f"{what}: got {len(targets)} tensors but the optimizer has {len(own)} params")
+        for i, (target, p) in enumerate(zip(targets, own)):
+            if not isinstance(target, torch.Tensor):
+                raise TypeError(f"{what}: target[{i}] is a {type(target).__name__}, not a tensor")
+            if target.shape != p.shape:
+                raise ValueError(
+                    f"{what}: target[{i}] has shape {tuple(target.shape)} but param {i} has "
+                    f"shape {tuple(p.shape)}")
+        return targets
+
+    def _snapshot(self, targets: List[torch.Tensor], with_masters: bool):
+        """Exact copies of ``targets`` (and, if asked, of the fp32 masters of those that are ours)."""
+        saved = []
+        for t in targets:
+            master = self._master_of(t) if with_masters else None
+            saved.append((t.detach().clone(),
+                          None if master is None else master.detach().clone()))
+        return saved
+
+    def _write_back(self, targets: List[torch.Tensor], saved) -> None:
+        """Put a :meth:`_snapshot` back: every target (and master, if one was saved) exactly."""
+        for t, (value, master_value) in zip(targets, saved):
+            t.copy_(value)
+            master = self._master_of(t)
+            if master is not None:
+                # a master saved with it is restored; otherwise it follows the restored value
+                master.copy_(master_value if master_value is not None else t)
+
+    # --- swap ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def swap_ema_weights(self, enabled: bool = True) -> Iterator[None]:
         """Within the block the params hold their EMA weights (rounded to the param dtype).
 
         On exit, also on an exception, every param gets back exactly the value it had. Masters,
         moments and the EMA itself are untouched. ``enabled=False`` makes it a no-op, for
-        ``with opt.swap_ema_weights(enabled=use_ema):``.
+        ``with opt.swap_ema_weights(enabled=use_ema):``. ``step()`` inside the block raises.
         """
         if not enabled:
             yield
@@ -46,47 +171,94 @@ class EmaAccessMixin:
         if self._ema_swapped:
             raise RuntimeError("swap_ema_weights() is already active")
         pairs = self._ema_pairs()
+        params = [p for p, _ in pairs]
         with torch.no_grad():
-            backup = [p.detach().clone() for p, _ in pairs]
+            backup = self._snapshot(params, with_masters=False)
             self._ema_swapped = True
             try:
                 for p, ema in pairs:
                     p.copy_(ema)
                 yield
             finally:
-                for (p, _), saved in zip(pairs, backup):
-                    p.copy_(saved)
+                for p, (value, _) in zip(params, backup):
+                    p.copy_(value)
                 self._ema_swapped = False
 
-    def _ema_of(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state.get(p)
-        ema = state.get("ema") if state else None
-        return p if ema is None else ema
-
+    # --- copy ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def copy_ema_to(self, params: Union[None, torch.nn.Module, Iterable[torch.Tensor]] = None) -> None:
+    def copy_ema_to(self, params: Params = None) -> None:
         """Copy the EMA weights into ``params`` (a module, or tensors in the optimizer's param order).
 
-        ``None`` copies them into the optimizer's own params (which then stay EMA weights).
+        ``None`` copies them into the optimizer's own params. A target that is one of the
+        optimizer's own params then *becomes* the EMA weights: its fp32 master (if it has one) is
+        set to the fp32 EMA too, so a later ``step()`` continues from the EMA weights, for fp16/bf16
+        params with masters as for fp32 ones (MindSpeed's ``copy_to`` semantics). Moments and the
+        EMA are untouched. Use :meth:`store` first and :meth:`restore` after to get the training
+        weights (and masters) back exactly.
         """
-        own = [p for group in self.param_groups for p in group["params"]]
-        if params is None:
-            targets = own
-        else:
-            targets = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
-            if len(targets) != len(own):
-                raise ValueError(
-                    f"copy_ema_to: got {len(targets)} tensors but the optimizer has {len(own)} params")
-        for i, (target, p) in enumerate(zip(targets, own)):
-            if target.shape != p.shape:
-                raise ValueError(
-                    f"copy_ema_to: target[{i}] has shape {tuple(target.shape)} but param {i} has "
-                    f"shape {tuple(p.shape)}")
+        own = self._own_params()
+        targets = self._targets("copy_ema_to", params)
+        if self._ema_swapped and any(t is p for t, p in zip(targets, own)):
+            raise RuntimeError(
+                f"{type(self).__name__}.copy_ema_to() into the optimizer's own params inside "
+                f"swap_ema_weights(): the block restores them on exit; copy after it ends")
         for target, p in zip(targets, own):
             ema = self._ema_of(p)
             if target is not ema:
                 target.copy_(ema)
+            master = self._master_of(p)
+            if target is p and master is not None and ema is not p:
+                master.copy_(ema)
 
+    def copy_to(self, parameters: Params = None) -> None:
+        """MindSpeed / diffusers ``copy_to``: copy the EMA weights into ``parameters``.
+
+        ``None``: the optimizer's own params (MindSpeed's ``copy_to()``). Same as :meth:`copy_ema_to`.
+        """
+        self.copy_ema_to(parameters)
+
+    # --- store / restore ----------------------------------------------------------------------
+    @torch.no_grad()
+    def store(self, parameters: Params = None) -> None:
+        """Save exact copies of ``parameters`` (default: the optimizer's own params) for :meth:`restore`.
+
+        As MindSpeed's / diffusers' ``store``. For the optimizer's own params the fp32 masters are
+        saved too, so ``store(); copy_to(); ...; restore()`` gives back params *and* masters
+        bit for bit. A later ``store`` replaces the saved copies.
+        """
+        targets = self._own_params() if parameters is None else self._as_tensors(parameters)
+        for i, t in enumerate(targets):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"store: parameters[{i}] is a {type(t).__name__}, not a tensor")
+        self._ema_stored = self._snapshot(targets, with_masters=True)
+
+    @torch.no_grad()
+    def restore(self, parameters: Params = None) -> None:
+        """Copy the values saved by :meth:`store` back into ``parameters`` (default: own params).
+
+        Exact (the saved copies keep the dtype), and masters saved with the params are restored as
+        well; the masters of own params restored without one follow the restored values. The saved
+        copies are released afterwards, as in diffusers (a second ``restore`` raises).
+        """
+        saved = self._ema_stored
+        if saved is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.restore(): nothing to restore; call store() first")
+        targets = self._own_params() if parameters is None else self._as_tensors(parameters)
+        if len(targets) != len(saved):
+            raise ValueError(
+                f"restore: got {len(targets)} tensors but store() saved {len(saved)}")
+        for i, (t, (value, _)) in enumerate(zip(targets, saved)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"restore: parameters[{i}] is a {type(t).__name__}, not a tensor")
+            if t.shape != value.shape:
+                raise ValueError(
+                    f"restore: parameters[{i}] has shape {tuple(t.shape)} but the stored tensor "
+                    f"{i} has shape {tuple(value.shape)}")
+        self._write_back(targets, saved)
+        self._ema_stored = None
+
+    # --- export -------------------------------------------------------------------------------
     @torch.no_grad()
     def ema_state_dict(self, module: torch.nn.Module, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
         """``module.state_dict()`` with every optimized param replaced by a copy of its EMA.

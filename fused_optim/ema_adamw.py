@@ -7,6 +7,7 @@ import torch
 
 from multi_tensor import multi_tensor_applier, validation
 
+from . import ema_schedules
 from .base import LOW_PRECISION, FusedOptimizerBase
 from .ema import EmaAccessMixin
 
@@ -33,7 +34,15 @@ class FusedEmaAdamW(EmaAccessMixin, FusedOptimizerBase):
         lr: learning rate. betas: ``(beta1, beta2)``. eps: added to the denominator.
         weight_decay: decoupled decay in ``adam_w_mode``, L2 penalty otherwise (default 1e-2
             as ``torch.optim.AdamW``).
-        ema_decay: EMA decay per step.
+        ema_decay: EMA decay per step (the cap of the ``"warmup"``/``"diffusers"`` schedules).
+        ema_schedule: ``None``/``"constant"`` (``ema_decay`` every step), ``"warmup"``
+            (MindSpeed's ``use_num_updates``: ``min(ema_decay, (1 + n) / (10 + n))``),
+            ``"diffusers"`` (diffusers' EMA warm-up ``1 - (1 + k / ema_inv_gamma) ** -ema_power``
+            clamped to ``[ema_min_decay, ema_decay]``) or a callable ``n -> decay``. ``n`` is the
+            param's step minus ``ema_start_step``; see :mod:`fused_optim.ema_schedules`.
+        ema_start_step: up to this step the EMA tracks the params (decay 0: ``ema == param``).
+        ema_inv_gamma, ema_power, ema_min_decay: the ``"diffusers"`` schedule's options.
+            All ``ema_*`` options live in the param groups and are saved by ``state_dict()``.
         adam_w_mode: ``True``: AdamW (mode 1); ``False``: Adam with L2 decay (mode 0).
         bias_correction: divide the moments by ``1 - beta^t``.
         master_weights: fp16/bf16 params keep an fp32 ``master_param``; moments and EMA are fp32;
@@ -51,11 +60,16 @@ class FusedEmaAdamW(EmaAccessMixin, FusedOptimizerBase):
                  eps: float = 1e-8, weight_decay: float = 1e-2, ema_decay: float = 0.9999, *,
                  adam_w_mode: bool = True, bias_correction: bool = True,
                  master_weights: bool = True, maximize: bool = False,
+                 ema_schedule: ema_schedules.Schedule = None, ema_start_step: int = 0,
+                 ema_inv_gamma: float = 1.0, ema_power: float = 2.0 / 3.0,
+                 ema_min_decay: float = 0.0,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         ema_decay=ema_decay, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, master_weights=master_weights,
-                        maximize=maximize)
+                        maximize=maximize, ema_schedule=ema_schedule,
+                        ema_start_step=ema_start_step, ema_inv_gamma=ema_inv_gamma,
+                        ema_power=ema_power, ema_min_decay=ema_min_decay)
         self._check_group(defaults)
         super().__init__(params, defaults, chunk_size=chunk_size)
 
@@ -66,6 +80,7 @@ class FusedEmaAdamW(EmaAccessMixin, FusedOptimizerBase):
         validation.check_hyperparameters(
             type(self).__name__, lr=group["lr"], eps=group["eps"], beta1=betas[0],
             beta2=betas[1], ema_decay=group["ema_decay"], weight_decay=group["weight_decay"])
+        ema_schedules.check_group(type(self).__name__, group)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -101,15 +116,9 @@ class FusedEmaAdamW(EmaAccessMixin, FusedOptimizerBase):
             lists.append([s["master_param"] for s in states])
         return lists
 
-    def _ema_decay(self, group: Dict[str, Any], step: int) -> float:
-        return float(group["ema_decay"])
-
     def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
         self._check_group(group)
         beta1, beta2 = group["betas"]
         return (float(group["lr"]), self._ema_decay(group, step), float(beta1), float(beta2),
                 float(group["eps"]), step, 1 if group["adam_w_mode"] else 0,
                 bool(group["bias_correction"]), float(group["weight_decay"]))
-
-    def _before_step(self, work) -> None:
-        self._check_not_swapped()
