@@ -17,6 +17,11 @@ Subclasses define the op and its state:
 * ``_init_state(p, group, state)``: create missing state entries for ``p``;
 * ``_state_lists(params, group)``: the op's lists after the grads, for one bucket;
 * ``_op_args(group, step)``: the op's scalar arguments after ``tensor_lists``.
+
+Optional hooks: ``_plan_signature(group)`` (group options that change the lists, e.g. whether an
+EMA is kept: a change rebuilds the plan) and ``_validator_for(group)`` (the list check of a group's
+buckets). Complex params (``_supports_complex``) run as ``torch.view_as_real`` views of the param,
+its grad and its state, as ``torch.optim`` does; the state itself stays complex.
 """
 from __future__ import annotations
 
@@ -34,23 +39,48 @@ LOW_PRECISION = validation.LOW_PRECISION
 class _Bucket:
     """One engine call: params of one device/dtype/step, their bound state lists, their step."""
 
-    __slots__ = ("params", "prepared", "step_tensor", "step", "device")
+    __slots__ = ("params", "prepared", "step_tensor", "step", "device", "complex")
 
     def __init__(self, params, prepared, step: int):
         self.params = params
         self.prepared = prepared
         self.step = step
         self.device = params[0].device
+        self.complex = params[0].is_complex()
         self.step_tensor = torch.tensor(float(step), dtype=torch.float32)
+
+    def grads(self) -> List[torch.Tensor]:
+        """The params' grads as the op takes them (real views for complex params)."""
+        if not self.complex:
+            return [p.grad for p in self.params]
+        return [_real_grad(p) for p in self.params]
 
 
 class _GroupPlan:
-    __slots__ = ("params", "count", "buckets")
+    __slots__ = ("params", "count", "buckets", "signature")
 
-    def __init__(self, params, buckets):
+    def __init__(self, params, buckets, signature):
         self.params = params          # the group's own list object, to notice a replaced list
         self.count = len(params)
         self.buckets = buckets
+        self.signature = signature    # _plan_signature(group) when the plan was built
+
+
+def _real_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    g = p.grad
+    if g is None:
+        return None
+    if not g.is_complex():
+        raise TypeError(f"param of dtype {p.dtype} has a grad of dtype {g.dtype}; a complex param "
+                        f"needs a complex grad")
+    return torch.view_as_real(g)
+
+
+def _real_view(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
 
 def _scalar(value) -> float:
@@ -62,6 +92,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     _op: str = ""
+    _supports_complex = False  # complex64/complex128 params, run as real views
 
     def __init__(self, params, defaults: Dict[str, Any], chunk_size: int = multi_tensor_applier.chunk_size):
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -84,14 +115,25 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def _validator(self, tensor_lists) -> None:
         validation.check_adam_family_lists(self._op, tensor_lists)
 
+    def _validator_for(self, group: Dict[str, Any]):
+        """The list check of ``group``'s buckets (default :meth:`_validator`)."""
+        return self._validator
+
+    def _plan_signature(self, group: Dict[str, Any]) -> Any:
+        """Group options the bound lists depend on; when they change, the plan is rebuilt."""
+        return None
+
     # --- param groups -------------------------------------------------------------------------
     def _check_params(self) -> None:
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                if not p.is_floating_point():
-                    raise TypeError(
-                        f"{type(self).__name__}: param_groups[{gi}]['params'][{pi}] is {p.dtype}; "
-                        f"only floating-point params can be optimized")
+                if p.is_floating_point() or (self._supports_complex and p.dtype in COMPLEX_DTYPES):
+                    continue
+                supported = "floating-point" + (" and complex64/complex128"
+                                                if self._supports_complex else "")
+                raise TypeError(
+                    f"{type(self).__name__}: param_groups[{gi}]['params'][{pi}] is {p.dtype}; "
+                    f"only {supported} params can be optimized")
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -122,10 +164,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             self._init_state(p, group, state)
         keys = [(p.device, p.dtype, g.dtype, self._step_of(p)) for p, g in zip(params, grads)]
         buckets = []
-        for (_, _, _, step), rows in group_indices(keys).items():
+        validator = self._validator_for(group)
+        for (_, dtype, _, step), rows in group_indices(keys).items():
             bucket_params = [params[i] for i in rows]
             lists = self._state_lists(bucket_params, group)
-            prepared = prepare(self._op, lists, self._chunk_size, self._validator)
+            if dtype.is_complex:  # the kernels run on the real views (state stays complex)
+                lists = [[_real_view(t) for t in tensors] for tensors in lists]
+            prepared = prepare(self._op, lists, self._chunk_size, validator)
             bucket = _Bucket(bucket_params, prepared, step)
             for p in bucket_params:
                 self.state[p]["step"] = bucket.step_tensor
@@ -135,10 +180,12 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def _plan_for(self, group: Dict[str, Any]):
         """``[(bucket, grads)]`` for this step; rebuilds the plan when the params with grads change."""
         plan = self._plans.get(id(group))
-        if plan is not None and plan.params is group["params"] and plan.count == len(group["params"]):
+        signature = self._plan_signature(group)
+        if (plan is not None and plan.params is group["params"]
+                and plan.count == len(group["params"]) and plan.signature == signature):
             work = []
             for bucket in plan.buckets:
-                grads = [p.grad for p in bucket.params]
+                grads = bucket.grads()
                 if any(g is None for g in grads):
                     break
                 work.append((bucket, grads))
@@ -149,12 +196,12 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         with_grad = [i for i, g in enumerate(grads) if g is not None]
         if len(with_grad) == len(params):
             buckets = self._build_plan(group, params, grads)
-            self._plans[id(group)] = _GroupPlan(params, buckets)
+            self._plans[id(group)] = _GroupPlan(params, buckets, signature)
         else:  # intermittent grads: a one-off plan over the params that have one
             self._plans.pop(id(group), None)
             buckets = self._build_plan(group, [params[i] for i in with_grad],
                                        [grads[i] for i in with_grad])
-        return [(b, [p.grad for p in b.params]) for b in buckets]
+        return [(b, b.grads()) for b in buckets]
 
     def _collect_work(self):
         """``[(group, bucket, grads)]`` for every bucket, all validated before any is run."""

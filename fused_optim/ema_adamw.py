@@ -1,18 +1,17 @@
 """FusedEmaAdamW: AdamW and an EMA of the weights in one pass over memory."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
-import torch
-
-from multi_tensor import multi_tensor_applier, validation
+from multi_tensor import multi_tensor_applier
 
 from . import ema_schedules
-from .base import LOW_PRECISION, FusedOptimizerBase
+from .adam_state import AdamStateMixin
+from .base import FusedOptimizerBase
 from .ema import EmaAccessMixin
 
 
-class FusedEmaAdamW(EmaAccessMixin, FusedOptimizerBase):
+class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
     r"""AdamW (or Adam) with an exponential moving average of the weights, fused.
 
     For every param with a grad, per element, in fp32 (the seed operator's formula)::
@@ -73,52 +72,12 @@ class FusedEmaAdamW(EmaAccessMixin, FusedOptimizerBase):
         self._check_group(defaults)
         super().__init__(params, defaults, chunk_size=chunk_size)
 
-    def _check_group(self, group: Dict[str, Any]) -> None:
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"{type(self).__name__}: betas must be a pair (beta1, beta2), got {betas!r}")
-        validation.check_hyperparameters(
-            type(self).__name__, lr=group["lr"], eps=group["eps"], beta1=betas[0],
-            beta2=betas[1], ema_decay=group["ema_decay"], weight_decay=group["weight_decay"])
-        ema_schedules.check_group(type(self).__name__, group)
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        self._check_group(self.param_groups[-1])
-
-    @staticmethod
-    def _uses_master(p: torch.Tensor, group: Dict[str, Any]) -> bool:
-        return bool(group["master_weights"]) and p.dtype in LOW_PRECISION
-
-    def _init_state(self, p: torch.Tensor, group: Dict[str, Any], state: Dict[str, Any]) -> None:
-        use_master = self._uses_master(p, group)
-        state_dtype = torch.float32 if use_master else p.dtype
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        if use_master and state.get("master_param") is None:
-            state["master_param"] = p.detach().to(dtype=torch.float32, copy=True)
-        weights = state["master_param"] if use_master else p.detach()
-        for key in ("exp_avg", "exp_avg_sq"):
-            if state.get(key) is None:
-                state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
-            elif state[key].dtype != state_dtype:
-                state[key] = state[key].to(dtype=state_dtype)
-        if state.get("ema") is None:
-            state["ema"] = weights.to(dtype=state_dtype, copy=True)
-        elif state["ema"].dtype != state_dtype:
-            state["ema"] = state["ema"].to(dtype=state_dtype)
-
-    def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> List[List[torch.Tensor]]:
-        states = [self.state[p] for p in params]
-        lists = [list(params), [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                 [s["ema"] for s in states]]
-        if self._uses_master(params[0], group):
-            lists.append([s["master_param"] for s in states])
-        return lists
+    # State, state lists and group checks (EMA schedule options included), add_param_group (a
+    # rejected group does not stay): AdamStateMixin, shared with FusedAdam/FusedAdamW/FusedRAdam.
+    _ema_required = True
 
     def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
-        self._check_group(group)
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = group["betas"]  # every stepping group was checked in _before_step
         return (float(group["lr"]), self._ema_decay(group, step), float(beta1), float(beta2),
                 float(group["eps"]), step, 1 if group["adam_w_mode"] else 0,
                 bool(group["bias_correction"]), float(group["weight_decay"]))

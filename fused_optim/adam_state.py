@@ -1,0 +1,141 @@
+"""What the Adam-family fused optimizers share: group checks, moments, masters and the EMA.
+
+:class:`AdamStateMixin` goes between :class:`~fused_optim.ema.EmaAccessMixin` (when the optimizer
+keeps an EMA) and :class:`~fused_optim.base.FusedOptimizerBase`::
+
+    class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase): ...
+
+It implements the base class's state hooks for the op list forms
+``[grads, params, exp_avgs, exp_avg_sqs(, emas)(, masters)]``:
+
+* state per param, named as ``torch.optim`` names it: ``step`` (float32 scalar tensor),
+  ``exp_avg``, ``exp_avg_sq``; ``ema`` when the group keeps an EMA (``group["ema_decay"]`` is not
+  None), initialised to the weights; ``master_param``, an fp32 copy, for fp16/bf16 params when
+  ``group["master_weights"]``. Moments and EMA are fp32 with a master, else in the param's dtype
+  (complex for complex params, which the base class runs as real views);
+* group checks (betas, lr, eps, weight_decay, ema_decay and the EMA schedule options; unsupported
+  torch flags), run when a group is added (a rejected group does not stay) and at every step
+  before any bucket is updated, so a bad value raises before any tensor changes.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from multi_tensor import validation
+
+from . import ema_schedules
+from .base import LOW_PRECISION
+
+# torch.optim flags the fused optimizers accept but cannot honour when True.
+UNSUPPORTED_FLAGS = {
+    "amsgrad": "the AMSGrad variant (amsgrad=True)",
+    "capturable": "capturable=True (CUDA-graph capture of step)",
+    "differentiable": "differentiable=True (autograd through step)",
+}
+
+
+def check_unsupported_flags(owner: str, **flags) -> None:
+    """Raise ``NotImplementedError`` (a ``RuntimeError``, as apex raises) for a True flag."""
+    for key, value in flags.items():
+        if value:
+            raise NotImplementedError(f"{owner} does not support {UNSUPPORTED_FLAGS[key]}")
+
+
+class AdamStateMixin:
+    """Group checks and ``exp_avg``/``exp_avg_sq``/``ema``/``master_param`` state (module docstring)."""
+
+    _supports_complex = True
+    _ema_required = False  # True: every group must have an ema_decay (FusedEmaAdamW)
+
+    # --- group options ------------------------------------------------------------------------
+    @staticmethod
+    def _has_ema(group: Dict[str, Any]) -> bool:
+        return group.get("ema_decay") is not None
+
+    @staticmethod
+    def _uses_master(p: torch.Tensor, group: Dict[str, Any]) -> bool:
+        return bool(group.get("master_weights", False)) and p.dtype in LOW_PRECISION
+
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        name = type(self).__name__
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}")
+        if self._ema_required and group.get("ema_decay") is None:
+            raise ValueError(f"{name}: ema_decay must be a number in [0, 1), got None")
+        validation.check_hyperparameters(
+            name, lr=group["lr"], eps=group["eps"], beta1=betas[0], beta2=betas[1],
+            ema_decay=group.get("ema_decay"), weight_decay=group["weight_decay"])
+        check_unsupported_flags(name, **{k: group[k] for k in UNSUPPORTED_FLAGS if k in group})
+        if self._has_ema(group):  # the EMA schedule options (fused_optim.ema_schedules)
+            ema_schedules.check_group(name, group)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a group; a rejected one (bad option or param) does not stay in ``param_groups``."""
+        count = len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            self._check_group(self.param_groups[-1])
+        except Exception:
+            del self.param_groups[count:]
+            raise
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # options added since the state was saved (as torch)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def _before_step(self, work) -> None:
+        """Check every stepping group before any bucket is updated."""
+        checked = set()
+        for group, _, _ in work:
+            if id(group) not in checked:
+                checked.add(id(group))
+                self._check_group(group)
+        super()._before_step(work)
+
+    def _plan_signature(self, group: Dict[str, Any]) -> Any:
+        return (self._has_ema(group), bool(group.get("master_weights", False)))
+
+    def _ema_decay(self, group: Dict[str, Any], step: int) -> Optional[float]:
+        """The EMA decay of ``group`` at ``step`` (None: no EMA).
+
+        :class:`~fused_optim.ema.EmaAccessMixin`, listed before this class, may override it
+        with EMA schedules; this is the plain per-group ``ema_decay``.
+        """
+        decay = group.get("ema_decay")
+        return None if decay is None else float(decay)
+
+    # --- state --------------------------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, group: Dict[str, Any], state: Dict[str, Any]) -> None:
+        """Create missing state (loaded state keeps its values, cast to the state dtype)."""
+        use_master = self._uses_master(p, group)
+        state_dtype = torch.float32 if use_master else p.dtype
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if use_master and state.get("master_param") is None:
+            state["master_param"] = p.detach().to(dtype=torch.float32, copy=True)
+        keys = ("exp_avg", "exp_avg_sq", "ema") if self._has_ema(group) else ("exp_avg", "exp_avg_sq")
+        for key in keys:
+            value = state.get(key)
+            if value is None:
+                if key == "ema":
+                    weights = state["master_param"] if use_master else p.detach()
+                    state[key] = weights.to(dtype=state_dtype, copy=True)
+                else:
+                    state[key] = torch.zeros_like(p, dtype=state_dtype,
+                                                  memory_format=torch.preserve_format)
+            elif value.dtype != state_dtype:
+                state[key] = value.to(dtype=state_dtype)
+
+    def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> List[List[torch.Tensor]]:
+        states = [self.state[p] for p in params]
+        lists = [list(params), [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
+        if self._has_ema(group):
+            lists.append([s["ema"] for s in states])
+        if self._uses_master(params[0], group):
+            lists.append([s["master_param"] for s in states])
+        return lists

@@ -1,0 +1,75 @@
+"""FusedRAdam: torch.optim.RAdam on the engine's "radam" op, with an optional fused EMA."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, Optional, Tuple
+
+from multi_tensor import multi_tensor_applier, validation
+
+from .adam_state import AdamStateMixin
+from .base import FusedOptimizerBase
+from .ema import EmaAccessMixin
+
+
+class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
+    r"""``torch.optim.RAdam``, fused, optionally with an EMA of the weights in the same pass.
+
+    Per element, in fp32 (fp64 for fp64 params), t = the param's step (torch's formula and op
+    order; the exact sequence is :func:`multi_tensor.backends.reference.radam`'s)::
+
+        g   = grad                 (unscaled by GradScaler's scale inside the op; -grad if maximize)
+        p   = p * (1 - lr * weight_decay)         decoupled_weight_decay
+        g   = g + weight_decay * p                otherwise (L2)
+        m   = lerp(m, g, 1 - beta1);   v = beta2 * v + (1 - beta2) * g^2
+        rho_inf = 2 / (1 - beta2) - 1;   rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t)
+        rho_t > 5:  rect = sqrt((rho_t-4)(rho_t-2) rho_inf / ((rho_inf-4)(rho_inf-2) rho_t))
+                    p = p - lr * m / (1 - beta1^t) * sqrt(1 - beta2^t) / (sqrt(v) + eps) * rect
+        otherwise:  p = p - lr * m / (1 - beta1^t)
+        ema = ema_decay * ema + (1 - ema_decay) * p          only with an ema_decay (new p)
+
+    Args:
+        params, lr, betas, eps, weight_decay, decoupled_weight_decay, maximize: as
+            ``torch.optim.RAdam`` (same defaults).
+        ema_decay: ``None`` (default): no EMA state. A float in ``[0, 1)``: ``state["ema"]`` is
+            kept (initialised to the weights) and updated in the same op, and the EMA access API
+            (``swap_ema_weights``, ``copy_ema_to``, ``ema_state_dict``, EMA schedules) applies.
+            Per param group: groups may differ.
+        master_weights: fp16/bf16 params keep an fp32 ``master_param``; moments and EMA are fp32
+            and the param receives the master rounded once per step. ``False``: state in the
+            param's dtype.
+        foreach: accepted and ignored. capturable, differentiable: ``True`` raises
+            ``NotImplementedError``.
+        chunk_size: elements per unit of parallel work (never changes a result).
+
+    State per param: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` (as torch),
+    ``ema`` with an ``ema_decay``, ``master_param`` for fp16/bf16 params with master weights.
+    """
+
+    _op = "radam"
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, decoupled_weight_decay: bool = False,
+                 *, ema_decay: Optional[float] = None, master_weights: bool = True,
+                 maximize: bool = False, foreach: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False,
+                 chunk_size: int = multi_tensor_applier.chunk_size):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=decoupled_weight_decay, ema_decay=ema_decay,
+                        master_weights=master_weights, maximize=maximize, foreach=foreach,
+                        capturable=capturable, differentiable=differentiable)
+        self._check_group(defaults)
+        super().__init__(params, defaults, chunk_size=chunk_size)
+
+    def _validator_for(self, group: Dict[str, Any]):
+        key = validation.radam_lists_key(group.get("ema_decay"))
+        return functools.partial(validation.check_adam_family_lists, key)
+
+    def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
+        beta1, beta2 = group["betas"]
+        ema_decay = self._ema_decay(group, step) if self._has_ema(group) else None
+        return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), step,
+                float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), ema_decay)
+
+    def _before_step(self, work) -> None:
+        self._check_not_swapped()
+        super()._before_step(work)
