@@ -1,0 +1,707 @@
+// fused_ema_adamw and adam: one kernel template (the EMA compiled in or out), the apex-style op
+// front-ends with C++ validation, and the prepared (persistent) form used by the optimizers.
+//
+// Arithmetic: exactly the op sequence of multi_tensor/backends/reference.py, in opmath (fp32, or
+// fp64 for fp64 buckets), each scalar computed in double and rounded to opmath once. This file
+// must be compiled with -ffp-contract=off so no multiply/add pair is fused into an FMA.
+#include "adam_family.h"
+
+#include <ATen/ops/empty_strided.h>
+
+#include <cmath>
+
+namespace multi_tensor_cpu {
+inline namespace CPU_CAPABILITY {
+
+namespace {
+
+// Slots of a row: grad, param, exp_avg, exp_avg_sq, ema, master.
+enum Slot { kG = 0, kP = 1, kM = 2, kV = 3, kS = 4, kW = 5, kSlots = 6 };
+
+struct RowPtrs {
+  void* p[kSlots];
+};
+
+template <typename opmath_t>
+struct AdamScalars {
+  opmath_t inv_scale, wd, beta1, omb1, beta2, omb2, bc1, bc2, eps, lr, ema, ome;
+  bool has_scale, maximize, l2_decay, decoupled_decay;
+};
+
+template <typename opmath_t, typename P, typename G, bool MASTER, bool EMA>
+struct AdamKernel {
+  using V = Vectorized<opmath_t>;
+  using S = std::conditional_t<MASTER, float, P>;  // exp_avg / exp_avg_sq / ema storage
+  using W = std::conditional_t<MASTER, float, P>;  // the weights the update runs on
+  static constexpr int64_t B = block_size<opmath_t>();
+  static constexpr int64_t T = kTile;
+  static_assert(T % B == 0, "tile must be a multiple of the block");
+
+  // Pass 1 (one block): g -> m', v'; stores m', v' and keeps m' and v'/bc2 in opmath tiles.
+  static inline void pass1(const AdamScalars<opmath_t>& c, const G* g, const W* w, S* m, S* v,
+                           opmath_t* tm, opmath_t* tq) {
+    V g0, g1, w0, w1, m0, m1, v0, v1;
+    load2<G, opmath_t>(g, g0, g1);
+    load2<W, opmath_t>(w, w0, w1);
+    load2<S, opmath_t>(m, m0, m1);
+    load2<S, opmath_t>(v, v0, v1);
+    V mn[2], vn[2];
+    const V* gs[2] = {&g0, &g1};
+    const V* ws[2] = {&w0, &w1};
+    const V* ms[2] = {&m0, &m1};
+    const V* vs[2] = {&v0, &v1};
+    for (int h = 0; h < 2; ++h) {
+      V gh = *gs[h];
+      if (c.has_scale) gh = gh * V(c.inv_scale);
+      if (c.maximize) gh = gh.neg();
+      if (c.l2_decay) gh = gh + *ws[h] * V(c.wd);
+      mn[h] = *ms[h] * V(c.beta1) + gh * V(c.omb1);
+      vn[h] = *vs[h] * V(c.beta2) + (gh * V(c.omb2)) * gh;
+      mn[h].store(tm + h * V::size());
+      (vn[h] / V(c.bc2)).store(tq + h * V::size());
+    }
+    store2<S, opmath_t>(m, mn[0], mn[1]);
+    store2<S, opmath_t>(v, vn[0], vn[1]);
+  }
+
+  // Pass 2 (one block), after tq holds sqrt(v'/bc2): the update, the weights and the EMA.
+  static inline void pass2(const AdamScalars<opmath_t>& c, P* p, W* w, S* s, const opmath_t* tm,
+                           const opmath_t* tq) {
+    V w0, w1, s0, s1;
+    load2<W, opmath_t>(w, w0, w1);
+    if constexpr (EMA) load2<S, opmath_t>(s, s0, s1);
+    V wn[2], sn[2];
+    const V* ws[2] = {&w0, &w1};
+    const V* ss[2] = {&s0, &s1};
+    for (int h = 0; h < 2; ++h) {
+      const V mn = V::loadu(tm + h * V::size());
+      const V denom = V::loadu(tq + h * V::size()) + V(c.eps);
+      V u = (mn / V(c.bc1)) / denom;
+      if (c.decoupled_decay) u = u + *ws[h] * V(c.wd);
+      wn[h] = *ws[h] - u * V(c.lr);
+      if constexpr (EMA) sn[h] = *ss[h] * V(c.ema) + wn[h] * V(c.ome);
+    }
+    if constexpr (EMA) store2<S, opmath_t>(s, sn[0], sn[1]);
+    if constexpr (MASTER) store2<W, opmath_t>(w, wn[0], wn[1]);
+    store2<P, opmath_t>(p, wn[0], wn[1]);
+  }
+
+  template <typename X>
+  static inline void pad(X* buf, const X* src, int64_t count) {
+    for (int64_t k = 0; k < B; ++k) buf[k] = X(0);
+    if (src) std::memcpy(buf, src, sizeof(X) * count);
+  }
+
+  // Elements [start, end) of one row, in tiles of T: pass 1, one sqrt over the tile (the same
+  // sqrt routine torch's reference uses), pass 2. A partial block runs the same vector code on
+  // zero-padded copies, so every element gets identical bits wherever it sits.
+  static void run(const RowPtrs& r, int64_t start, int64_t end, const void* scalars) {
+    const auto& c = *static_cast<const AdamScalars<opmath_t>*>(scalars);
+    const G* g = static_cast<const G*>(r.p[kG]);
+    P* p = static_cast<P*>(r.p[kP]);
+    S* m = static_cast<S*>(r.p[kM]);
+    S* v = static_cast<S*>(r.p[kV]);
+    S* s = EMA ? static_cast<S*>(r.p[kS]) : nullptr;
+    W* w = MASTER ? static_cast<W*>(r.p[kW]) : reinterpret_cast<W*>(p);
+    alignas(64) opmath_t tm[T];
+    alignas(64) opmath_t tq[T];
+    for (int64_t t0 = start; t0 < end; t0 += T) {
+      const int64_t cnt = std::min<int64_t>(T, end - t0);
+      const int64_t full = cnt - cnt % B;
+      for (int64_t k = 0; k < full; k += B) {
+        const int64_t i = t0 + k;
+        pass1(c, g + i, w + i, m + i, v + i, tm + k, tq + k);
+      }
+      const int64_t rest = cnt - full;
+      if (rest) {
+        const int64_t i = t0 + full;
+        G gb[B];
+        W wb[B];
+        S mb[B], vb[B];
+        pad(gb, g + i, rest);
+        pad(wb, w + i, rest);
+        pad(mb, m + i, rest);
+        pad(vb, v + i, rest);
+        pass1(c, gb, wb, mb, vb, tm + full, tq + full);
+        std::memcpy(m + i, mb, sizeof(S) * rest);
+        std::memcpy(v + i, vb, sizeof(S) * rest);
+      }
+      const int64_t padded = full + (rest ? B : 0);
+      tile_sqrt(tq, padded);
+      for (int64_t k = 0; k < full; k += B) {
+        const int64_t i = t0 + k;
+        pass2(c, p + i, w + i, EMA ? s + i : nullptr, tm + k, tq + k);
+      }
+      if (rest) {
+        const int64_t i = t0 + full;
+        P pb[B];
+        W wb[B];
+        S sb[B];
+        pad(pb, p + i, rest);
+        pad(wb, w + i, rest);
+        pad(sb, s ? s + i : nullptr, rest);
+        pass2(c, pb, MASTER ? wb : reinterpret_cast<W*>(pb), sb, tm + full, tq + full);
+        std::memcpy(p + i, pb, sizeof(P) * rest);
+        if constexpr (EMA) std::memcpy(s + i, sb, sizeof(S) * rest);
+        if constexpr (MASTER) std::memcpy(w + i, wb, sizeof(W) * rest);
+      }
+    }
+  }
+};
+
+using KernelFn = void (*)(const RowPtrs&, int64_t, int64_t, const void*);
+
+template <bool EMA, bool MASTER, typename P>
+KernelFn select_grad(c10::ScalarType gt) {
+  switch (gt) {
+    case c10::kFloat: return &AdamKernel<float, P, float, MASTER, EMA>::run;
+    case c10::kHalf: return &AdamKernel<float, P, c10::Half, MASTER, EMA>::run;
+    case c10::kBFloat16: return &AdamKernel<float, P, c10::BFloat16, MASTER, EMA>::run;
+    default: return nullptr;
+  }
+}
+
+template <bool EMA>
+KernelFn select_kernel(c10::ScalarType pt, c10::ScalarType gt, bool master) {
+  if (pt == c10::kDouble) {
+    return (!master && gt == c10::kDouble) ? &AdamKernel<double, double, double, false, EMA>::run
+                                          : nullptr;
+  }
+  switch (pt) {
+    case c10::kFloat:
+      return master ? select_grad<EMA, true, float>(gt) : select_grad<EMA, false, float>(gt);
+    case c10::kHalf:
+      return master ? select_grad<EMA, true, c10::Half>(gt)
+                    : select_grad<EMA, false, c10::Half>(gt);
+    case c10::kBFloat16:
+      return master ? select_grad<EMA, true, c10::BFloat16>(gt)
+                    : select_grad<EMA, false, c10::BFloat16>(gt);
+    default: return nullptr;
+  }
+}
+
+template <typename opmath_t>
+AdamScalars<opmath_t> make_scalars(const AdamHyper& h, bool has_ema) {
+  AdamScalars<opmath_t> c;
+  double bc1 = 1.0, bc2 = 1.0;
+  if (h.bias_correction) {
+    bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+    bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  }
+  c.beta1 = static_cast<opmath_t>(h.beta1);
+  c.omb1 = static_cast<opmath_t>(1.0 - h.beta1);
+  c.beta2 = static_cast<opmath_t>(h.beta2);
+  c.omb2 = static_cast<opmath_t>(1.0 - h.beta2);
+  c.bc1 = static_cast<opmath_t>(bc1);
+  c.bc2 = static_cast<opmath_t>(bc2);
+  c.eps = static_cast<opmath_t>(h.eps);
+  c.lr = static_cast<opmath_t>(h.lr);
+  c.wd = static_cast<opmath_t>(h.weight_decay);
+  c.ema = static_cast<opmath_t>(has_ema ? h.ema_decay : 0.0);
+  c.ome = static_cast<opmath_t>(has_ema ? 1.0 - h.ema_decay : 0.0);
+  c.maximize = h.maximize;
+  c.l2_decay = h.mode == 0 && h.weight_decay != 0.0;
+  c.decoupled_decay = h.mode == 1 && h.weight_decay != 0.0;
+  c.has_scale = false;
+  c.inv_scale = opmath_t(1);
+  if (h.grad_scale.has_value() && h.grad_scale->defined()) {
+    const at::Tensor& gs = *h.grad_scale;
+    TORCH_CHECK_VALUE(gs.numel() == 1, "grad_scale must be a 1-element tensor, got shape ",
+                      shape_str(gs.sizes()));
+    c.has_scale = true;
+    const auto st = gs.scalar_type();
+    if (gs.is_cpu() && (st == c10::kFloat || st == c10::kDouble || st == c10::kHalf ||
+                        st == c10::kBFloat16)) {
+      // grad_scale.to(opmath).reciprocal(): round to opmath first, then 1/x in opmath.
+      double d = 0.0;
+      const void* ptr = gs.const_data_ptr();
+      switch (st) {
+        case c10::kFloat: d = *static_cast<const float*>(ptr); break;
+        case c10::kDouble: d = *static_cast<const double*>(ptr); break;
+        case c10::kHalf: d = static_cast<float>(*static_cast<const c10::Half*>(ptr)); break;
+        default: d = static_cast<float>(*static_cast<const c10::BFloat16*>(ptr)); break;
+      }
+      const opmath_t sc = static_cast<opmath_t>(d);
+      c.inv_scale = opmath_t(1) / sc;
+    } else {
+      const auto opdt = std::is_same_v<opmath_t, double> ? c10::kDouble : c10::kFloat;
+      c.inv_scale = static_cast<opmath_t>(gs.to(at::kCPU, opdt).reciprocal().reshape({-1})[0].item().toDouble());
+    }
+  }
+  return c;
+}
+
+// Rows whose tensors cannot be addressed as one flat array with the params' layout run on
+// temporaries; in-place outputs are copied back afterwards.
+struct RowSetup {
+  std::vector<RowPtrs> ptrs;
+  std::vector<int64_t> numels;
+  std::vector<at::Tensor> temps;
+  std::vector<std::pair<at::Tensor, at::Tensor>> writeback;  // (destination, temporary)
+};
+
+void setup_rows(const std::vector<std::array<const at::Tensor*, kSlots>>& rows, RowSetup& out) {
+  const size_t n = rows.size();
+  out.ptrs.resize(n);
+  out.numels.resize(n);
+  for (size_t r = 0; r < n; ++r) {
+    const auto& row = rows[r];
+    const at::Tensor& ref = *row[kP];
+    out.numels[r] = ref.numel();
+    const bool ref_flat = ref.is_contiguous() || ref.is_non_overlapping_and_dense();
+    for (int k = 0; k < kSlots; ++k) {
+      if (!row[k]) {
+        out.ptrs[r].p[k] = nullptr;
+        continue;
+      }
+      const at::Tensor& t = *row[k];
+      // Target layout: the params' own layout when it is flat, else contiguous.
+      const bool direct = ref_flat ? (k == kP || same_layout(t, ref)) : t.is_contiguous();
+      if (direct) {
+        out.ptrs[r].p[k] = t.numel() ? const_cast<void*>(t.const_data_ptr()) : nullptr;
+        continue;
+      }
+      at::Tensor tmp = ref_flat ? at::empty_strided(ref.sizes(), ref.strides(), t.options())
+                                : at::empty(ref.sizes(), t.options());
+      tmp.copy_(t);
+      out.ptrs[r].p[k] = tmp.numel() ? tmp.data_ptr() : nullptr;
+      if (k != kG) out.writeback.emplace_back(t, tmp);
+      out.temps.push_back(std::move(tmp));
+    }
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// The shared execution path (validated rows in, update applied)
+// ------------------------------------------------------------------------------------------------
+
+void run_adam_family(const std::vector<std::array<const at::Tensor*, 6>>& rows, bool has_ema,
+                     bool has_master, int64_t chunk_size, const std::optional<at::Tensor>& noop,
+                     const AdamHyper& h) {
+  if (rows.empty()) return;
+  if (noop_is_set(noop)) return;
+  const auto pt = rows[0][kP]->scalar_type();
+  const auto gt = rows[0][kG]->scalar_type();
+  KernelFn fn = has_ema ? select_kernel<true>(pt, gt, has_master)
+                        : select_kernel<false>(pt, gt, has_master);
+  TORCH_CHECK_TYPE(fn != nullptr, "multi_tensor: unsupported dtype combination params=",
+                   dtype_name(pt), " grads=", dtype_name(gt));
+  const bool fp64 = pt == c10::kDouble;
+  AdamScalars<float> cf;
+  AdamScalars<double> cd;
+  if (fp64) cd = make_scalars<double>(h, has_ema); else cf = make_scalars<float>(h, has_ema);
+  const void* scalars = fp64 ? static_cast<const void*>(&cd) : static_cast<const void*>(&cf);
+
+  RowSetup setup;
+  setup_rows(rows, setup);
+  std::vector<Chunk> chunks;
+  const int64_t total = build_chunks(setup.numels, chunk_size, chunks);
+
+  if (h.check_finite) {
+    std::atomic<bool> bad{false};
+    {
+      py::gil_scoped_release nogil;
+      launch(chunks, total, [&](const Chunk& ch) {
+        if (bad.load(std::memory_order_relaxed)) return;
+        const void* g = setup.ptrs[ch.row].p[kG];
+        const int64_t n = ch.end - ch.start;
+        bool b = false;
+        switch (gt) {
+          case c10::kFloat: b = has_nonfinite<float, float>(static_cast<const float*>(g) + ch.start, n); break;
+          case c10::kDouble: b = has_nonfinite<double, double>(static_cast<const double*>(g) + ch.start, n); break;
+          case c10::kHalf: b = has_nonfinite<c10::Half, float>(static_cast<const c10::Half*>(g) + ch.start, n); break;
+          default: b = has_nonfinite<c10::BFloat16, float>(static_cast<const c10::BFloat16*>(g) + ch.start, n); break;
+        }
+        if (b) bad.store(true, std::memory_order_relaxed);
+      });
+    }
+    if (bad.load()) {
+      set_noop(noop);
+      return;
+    }
+  }
+  {
+    py::gil_scoped_release nogil;
+    launch(chunks, total, [&](const Chunk& ch) { fn(setup.ptrs[ch.row], ch.start, ch.end, scalars); });
+  }
+  for (auto& wb : setup.writeback) wb.first.copy_(wb.second);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Validation (mirrors validation.check_adam_family_lists; runs before anything is modified)
+// ------------------------------------------------------------------------------------------------
+
+namespace {
+
+const char* kEmaNames5[] = {"grads", "params", "exp_avgs", "exp_avg_sqs", "emas"};
+const char* kEmaNames6[] = {"grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters"};
+const char* kAdamNames4[] = {"grads", "params", "exp_avgs", "exp_avg_sqs"};
+const char* kAdamNames5[] = {"grads", "params", "exp_avgs", "exp_avg_sqs", "masters"};
+
+bool is_param_dtype(c10::ScalarType t) {
+  return t == c10::kHalf || t == c10::kBFloat16 || t == c10::kFloat || t == c10::kDouble;
+}
+bool is_grad_dtype(c10::ScalarType t) {
+  return t == c10::kHalf || t == c10::kBFloat16 || t == c10::kFloat;
+}
+
+std::string forms_str(bool has_ema) {
+  auto join = [](const char** names, int n) {
+    std::string s = "[";
+    for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::string(names[i]);
+    return s + "]";
+  };
+  return has_ema ? join(kEmaNames5, 5) + " or " + join(kEmaNames6, 6)
+                 : join(kAdamNames4, 4) + " or " + join(kAdamNames5, 5);
+}
+
+// check_list_dtype(): one dtype per list, from the allowed set.
+c10::ScalarType check_list_dtype(const std::string& op, const char* name, const PyTensorList& l,
+                                 bool (*allowed)(c10::ScalarType), const char* allowed_str) {
+  const auto dt = l.items[0]->scalar_type();
+  for (size_t i = 0; i < l.size(); ++i) {
+    TORCH_CHECK_TYPE(l.items[i]->scalar_type() == dt, op, ": ", name, "[", i, "] is ",
+                     dtype_name(l.items[i]->scalar_type()), " but ", name, "[0] is ",
+                     dtype_name(dt),
+                     "; every tensor of one list must share one dtype (bucket tensors by dtype "
+                     "first)");
+  }
+  TORCH_CHECK_TYPE(allowed(dt), op, ": ", name, " are ", dtype_name(dt), "; supported: ",
+                   allowed_str);
+  return dt;
+}
+
+bool only_fp64(c10::ScalarType t) { return t == c10::kDouble; }
+
+}  // namespace
+
+std::string adam_op_name(bool has_ema) {
+  return has_ema ? "multi_tensor_fused_ema_adamw" : "multi_tensor_adam";
+}
+
+AdamForm validate_adam_family(bool has_ema, const std::vector<PyTensorList*>& lists) {
+  const std::string op = adam_op_name(has_ema);
+  const size_t nl = lists.size();
+  const size_t base = has_ema ? 5 : 4;
+  TORCH_CHECK_VALUE(nl == base || nl == base + 1, op, ": tensor_lists must be ",
+                    forms_str(has_ema), "; got ", nl, " lists");
+  const bool has_master = nl == base + 1;
+  const char** names = has_ema ? (has_master ? kEmaNames6 : kEmaNames5)
+                               : (has_master ? kAdamNames5 : kAdamNames4);
+  std::vector<const char*> vnames(names, names + nl);
+  const int64_t n = check_rows(op, lists, vnames, 1);
+  AdamForm form{has_master, n, c10::kFloat, c10::kFloat};
+  if (n == 0) return form;
+  const char* pstr = "torch.float16, torch.bfloat16, torch.float32, torch.float64";
+  const auto pdt = check_list_dtype(op, "params", *lists[1], is_param_dtype, pstr);
+  const auto sdt = has_master ? c10::kFloat : pdt;
+  TORCH_CHECK_TYPE(!(has_master && pdt == c10::kDouble), op,
+                   ": params are float64; fp32 master weights are for fp16/bf16/fp32 params");
+  for (size_t li = 2; li < nl; ++li) {
+    const auto dt = check_list_dtype(op, names[li], *lists[li], is_param_dtype, pstr);
+    TORCH_CHECK_TYPE(dt == sdt, op, ": ", names[li], " are ", dtype_name(dt), " but must be ",
+                     dtype_name(sdt), " ",
+                     has_master ? "(optimizer state and masters are fp32 in the master-weights form)"
+                                : "(the same dtype as params)");
+  }
+  const auto gdt = pdt == c10::kDouble
+                       ? check_list_dtype(op, "grads", *lists[0], only_fp64, "torch.float64")
+                       : check_list_dtype(op, "grads", *lists[0], is_grad_dtype,
+                                          "torch.float16, torch.bfloat16, torch.float32");
+  form.param_dtype = pdt;
+  form.grad_dtype = gdt;
+  return form;
+}
+
+// Rows in slot order from validated lists (list index -> slot).
+void rows_from_lists(bool has_ema, bool has_master, const std::vector<PyTensorList*>& lists,
+                     std::vector<std::array<const at::Tensor*, 6>>& rows) {
+  const size_t n = lists[0]->size();
+  rows.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto& row = rows[i];
+    row.fill(nullptr);
+    row[kG] = lists[0]->items[i];
+    row[kP] = lists[1]->items[i];
+    row[kM] = lists[2]->items[i];
+    row[kV] = lists[3]->items[i];
+    if (has_ema) row[kS] = lists[4]->items[i];
+    if (has_master) row[kW] = lists[has_ema ? 5 : 4]->items[i];
+  }
+}
+
+int64_t parse_step(const std::string& op, py::handle step) {
+  PyObject* o = step.ptr();
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    TORCH_CHECK_VALUE(t.numel() == 1, op, ": step must be a 1-element tensor, got shape ",
+                      shape_str(t.sizes()));
+    auto item = t.item();
+    if (item.isFloatingPoint()) {
+      const double d = item.toDouble();
+      TORCH_CHECK_VALUE(std::isfinite(d) && d == std::floor(d) && d >= 1.0, op,
+                        ": step must be a positive integer, got ", py::repr(step).cast<std::string>());
+      return static_cast<int64_t>(d);
+    }
+    TORCH_CHECK_VALUE(item.isIntegral(false) && item.toLong() >= 1, op,
+                      ": step must be a positive integer, got ", py::repr(step).cast<std::string>());
+    return item.toLong();
+  }
+  if (!PyBool_Check(o) && PyIndex_Check(o)) {
+    const long long v = PyLong_AsLongLong(py::reinterpret_steal<py::object>(PyNumber_Index(o)).ptr());
+    if (!PyErr_Occurred() && v >= 1) return v;
+    PyErr_Clear();
+  }
+  TORCH_CHECK_VALUE(false, op, ": step must be a positive integer, got ",
+                    py::repr(step).cast<std::string>());
+}
+
+void check_scalars(const std::string& op, int64_t chunk_size, const AdamHyper& h) {
+  TORCH_CHECK_VALUE(chunk_size >= 1, op, ": chunk_size must be a positive integer, got ",
+                    chunk_size);
+  TORCH_CHECK_VALUE(h.mode == 0 || h.mode == 1, op,
+                    ": mode must be 0 (Adam, L2 decay) or 1 (AdamW, decoupled decay), got ",
+                    h.mode);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Op form: op(chunk_size, noop_flag, tensor_lists, *scalars, grad_scale=, maximize=, check_finite=)
+// ------------------------------------------------------------------------------------------------
+
+void adam_family_op(bool has_ema, int64_t chunk_size, const std::optional<at::Tensor>& noop,
+                    py::handle tensor_lists, AdamHyper& h, py::handle step) {
+  const std::string op = adam_op_name(has_ema);
+  PyObject* tl = tensor_lists.ptr();
+  if (!PyList_Check(tl) && !PyTuple_Check(tl)) {
+    TORCH_CHECK_VALUE(false, op, ": tensor_lists must be ", forms_str(has_ema), "; got ",
+                      Py_TYPE(tl)->tp_name);
+  }
+  const Py_ssize_t nl = PySequence_Fast_GET_SIZE(tl);
+  std::vector<PyTensorList> storage(static_cast<size_t>(nl));
+  std::vector<PyTensorList*> lists;
+  const size_t base = has_ema ? 5 : 4;
+  if (static_cast<size_t>(nl) == base || static_cast<size_t>(nl) == base + 1) {
+    for (Py_ssize_t k = 0; k < nl; ++k) {
+      unpack_list(PySequence_Fast_ITEMS(tl)[k], storage[k],
+                  op + ": tensor_lists[" + std::to_string(k) + "]");
+    }
+  }
+  for (auto& s : storage) lists.push_back(&s);
+  const AdamForm form = validate_adam_family(has_ema, lists);
+  h.step = parse_step(op, step);
+  check_scalars(op, chunk_size, h);
+  if (form.rows == 0) return;
+  std::vector<std::array<const at::Tensor*, 6>> rows;
+  rows_from_lists(has_ema, form.has_master, lists, rows);
+  run_adam_family(rows, has_ema, form.has_master, chunk_size, noop, h);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Prepared form
+// ------------------------------------------------------------------------------------------------
+
+PreparedAdamFamily::PreparedAdamFamily(const std::string& op_name, py::handle state_lists,
+                                       int64_t chunk_size)
+    : op_name_(op_name), chunk_size_(chunk_size) {
+  TORCH_CHECK_VALUE(op_name == "fused_ema_adamw" || op_name == "adam",
+                    "PreparedAdamFamily: op must be 'fused_ema_adamw' or 'adam', got '", op_name,
+                    "'");
+  has_ema_ = op_name == "fused_ema_adamw";
+  const std::string op = adam_op_name(has_ema_);
+  TORCH_CHECK_VALUE(chunk_size >= 1, op, ": chunk_size must be a positive integer, got ",
+                    chunk_size);
+  PyObject* sl = state_lists.ptr();
+  TORCH_CHECK_VALUE(PyList_Check(sl) || PyTuple_Check(sl), op,
+                    ": state_lists must be a list of tensor lists");
+  const Py_ssize_t nl = PySequence_Fast_GET_SIZE(sl);
+  state_.resize(nl);
+  for (Py_ssize_t k = 0; k < nl; ++k) {
+    PyTensorList l;
+    unpack_list(PySequence_Fast_ITEMS(sl)[k], l, op + ": state list");
+    for (size_t i = 0; i < l.size(); ++i) {
+      TORCH_CHECK_TYPE(l.items[i] != nullptr, op, ": state list ", k, " item ", i,
+                       " must be a torch.Tensor, got ", type_name_of(l.objs[i]));
+      state_[k].push_back(*l.items[i]);
+    }
+  }
+}
+
+AdamForm PreparedAdamFamily::full_validate(const PyTensorList& grads) {
+  std::vector<PyTensorList> st(state_.size());
+  std::vector<PyTensorList*> lists;
+  lists.push_back(const_cast<PyTensorList*>(&grads));
+  for (size_t k = 0; k < state_.size(); ++k) {
+    st[k].items.resize(state_[k].size());
+    st[k].objs.assign(state_[k].size(), nullptr);
+    for (size_t i = 0; i < state_[k].size(); ++i) st[k].items[i] = &state_[k][i];
+    lists.push_back(&st[k]);
+  }
+  AdamForm form = validate_adam_family(has_ema_, lists);
+  has_master_ = form.has_master;
+  if (form.rows) {
+    param_dtype_ = form.param_dtype;
+    validated_ = true;
+  }
+  return form;
+}
+
+void PreparedAdamFamily::validate(py::handle grads) {
+  PyTensorList g;
+  unpack_list(grads, g, adam_op_name(has_ema_) + ": grads");
+  full_validate(g);
+}
+
+// Cheap per-call re-check of a validated bucket: grads against params, and the state tensors'
+// numel/dtype/device (a `p.data = x` may swap storage between steps). Anything unexpected goes
+// through the full validation, which raises the precise error.
+bool PreparedAdamFamily::fast_check(const PyTensorList& grads) const {
+  if (!validated_) return false;
+  const size_t n = grads.size();
+  if (state_.empty() || state_[0].size() != n) return false;
+  const auto& params = state_[0];
+  const at::Tensor* g0 = grads.items[0];
+  if (!g0) return false;
+  const auto gdt = g0->scalar_type();
+  if (param_dtype_ == c10::kDouble ? gdt != c10::kDouble
+                                   : !(gdt == c10::kFloat || gdt == c10::kHalf ||
+                                       gdt == c10::kBFloat16))
+    return false;
+  const auto sdt = has_master_ ? c10::kFloat : param_dtype_;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor* g = grads.items[i];
+    const at::Tensor& p = params[i];
+    if (!g || g->scalar_type() != gdt || g->layout() != c10::kStrided || !g->is_cpu()) return false;
+    if (p.scalar_type() != param_dtype_ || !p.is_cpu() || p.layout() != c10::kStrided) return false;
+    if (!g->sizes().equals(p.sizes())) return false;
+    const int64_t numel = p.numel();
+    for (size_t k = 1; k < state_.size(); ++k) {
+      const at::Tensor& t = state_[k][i];
+      if (t.numel() != numel || t.scalar_type() != sdt || !t.is_cpu() ||
+          t.layout() != c10::kStrided)
+        return false;
+    }
+  }
+  return true;
+}
+
+void PreparedAdamFamily::call(py::handle grads, const std::optional<at::Tensor>& noop, AdamHyper& h,
+                              py::handle step) {
+  const std::string op = adam_op_name(has_ema_);
+  PyTensorList g;
+  unpack_list(grads, g, op + ": grads");
+  bool has_rows = true;
+  if (g.size() == 0 || !fast_check(g)) {
+    has_rows = full_validate(g).rows > 0;
+  }
+  h.step = parse_step(op, step);
+  check_scalars(op, chunk_size_, h);
+  if (!has_rows) return;
+  const size_t n = g.size();
+  std::vector<std::array<const at::Tensor*, 6>> rows(n);
+  const size_t nl = state_.size() + 1;
+  for (size_t i = 0; i < n; ++i) {
+    auto& row = rows[i];
+    row.fill(nullptr);
+    row[kG] = g.items[i];
+    row[kP] = &state_[0][i];
+    row[kM] = &state_[1][i];
+    row[kV] = &state_[2][i];
+    if (has_ema_) row[kS] = &state_[3][i];
+    if (has_master_) row[kW] = &state_[nl - 2][i];
+  }
+  run_adam_family(rows, has_ema_, has_master_, chunk_size_, noop, h);
+}
+
+py::list PreparedAdamFamily::state_lists() const {
+  py::list out;
+  for (const auto& l : state_) {
+    py::list li;
+    for (const auto& t : l) li.append(py::cast(t));
+    out.append(li);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bindings
+// ------------------------------------------------------------------------------------------------
+
+void bind_adam_family(py::module_& m) {
+  using opt_t = std::optional<at::Tensor>;
+  m.def(
+      "fused_ema_adamw",
+      [](int64_t chunk_size, const opt_t& noop, py::handle tensor_lists, double lr,
+         double ema_decay, double beta1, double beta2, double eps, py::handle step, int64_t mode,
+         bool bias_correction, double weight_decay, const opt_t& grad_scale, bool maximize,
+         bool check_finite) {
+        AdamHyper h{lr, ema_decay, beta1, beta2, eps, 0, mode, bias_correction, weight_decay,
+                    grad_scale, maximize, check_finite};
+        adam_family_op(true, chunk_size, noop, tensor_lists, h, step);
+      },
+      py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("lr"),
+      py::arg("ema_decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"),
+      py::arg("mode"), py::arg("bias_correction"), py::arg("weight_decay"), py::kw_only(),
+      py::arg("grad_scale") = py::none(), py::arg("maximize") = false,
+      py::arg("check_finite") = false,
+      "multi_tensor_fused_ema_adamw: [grads, params, exp_avgs, exp_avg_sqs, emas(, masters)], in "
+      "place; bitwise equal to the reference backend.");
+  m.def(
+      "adam",
+      [](int64_t chunk_size, const opt_t& noop, py::handle tensor_lists, double lr, double beta1,
+         double beta2, double eps, py::handle step, int64_t mode, bool bias_correction,
+         double weight_decay, const opt_t& grad_scale, bool maximize, bool check_finite) {
+        AdamHyper h{lr, 0.0, beta1, beta2, eps, 0, mode, bias_correction, weight_decay,
+                    grad_scale, maximize, check_finite};
+        adam_family_op(false, chunk_size, noop, tensor_lists, h, step);
+      },
+      py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("lr"),
+      py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"), py::arg("mode"),
+      py::arg("bias_correction"), py::arg("weight_decay"), py::kw_only(),
+      py::arg("grad_scale") = py::none(), py::arg("maximize") = false,
+      py::arg("check_finite") = false,
+      "multi_tensor_adam: [grads, params, exp_avgs, exp_avg_sqs(, masters)], in place.");
+
+  py::class_<PreparedAdamFamily>(m, "PreparedAdamFamily",
+                                 "An adam-family op bound to one bucket's state lists "
+                                 "(params, exp_avgs, exp_avg_sqs[, emas][, masters]).")
+      .def(py::init<const std::string&, py::handle, int64_t>(), py::arg("op"),
+           py::arg("state_lists"), py::arg("chunk_size"))
+      .def("validate", &PreparedAdamFamily::validate, py::arg("grads"))
+      .def_property_readonly("op", &PreparedAdamFamily::op_name)
+      .def_property_readonly("chunk_size", &PreparedAdamFamily::chunk_size)
+      .def_property_readonly("state_lists", &PreparedAdamFamily::state_lists)
+      .def(
+          "__call__",
+          [](PreparedAdamFamily& self, py::handle grads, const opt_t& noop, py::args args,
+             const opt_t& grad_scale, bool maximize, bool check_finite) {
+            // Positional scalars in the op's order after tensor_lists.
+            const bool ema = self.has_ema();
+            const size_t want = ema ? 9 : 8;
+            TORCH_CHECK_TYPE(args.size() == want, adam_op_name(ema), ": prepared call takes ",
+                             want, " scalar arguments after (grads, noop_flag), got ",
+                             args.size());
+            size_t k = 0;
+            AdamHyper h;
+            h.lr = args[k++].cast<double>();
+            h.ema_decay = ema ? args[k++].cast<double>() : 0.0;
+            h.beta1 = args[k++].cast<double>();
+            h.beta2 = args[k++].cast<double>();
+            h.eps = args[k++].cast<double>();
+            py::handle step = args[k++];
+            h.mode = args[k++].cast<int64_t>();
+            h.bias_correction = py::bool_(args[k++]).cast<bool>();
+            h.weight_decay = args[k++].cast<double>();
+            h.grad_scale = grad_scale;
+            h.maximize = maximize;
+            h.check_finite = check_finite;
+            self.call(grads, noop, h, step);
+          },
+          py::arg("grads"), py::arg("noop_flag"),
+          py::arg("grad_scale") = py::none(), py::arg("maximize") = false,
+          py::arg("check_finite") = false);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace multi_tensor_cpu

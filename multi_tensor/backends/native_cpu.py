@@ -1,0 +1,125 @@
+"""The native CPU backend: C++ kernels (SIMD + at::parallel_for) for every multi-tensor op.
+
+The extension is built three times from ``csrc/cpu`` (``multi_tensor._C_avx512``, ``_C_avx2``,
+``_C_default``); at import this module loads the best one that
+``torch.backends.cpu.get_cpu_capability()`` allows (so ``ATEN_CPU_CAPABILITY=avx2`` or
+``=default`` also selects ours), falling back down the list, and registers it for device type
+``cpu`` above the reference backend. Results are bitwise identical to the reference backend.
+
+If no extension loads, a single warning says why and how to build it, nothing is registered and
+the reference backend runs everything. ``MULTI_TENSOR_DISABLE_NATIVE=1`` skips loading silently.
+
+Attributes: ``loaded_module`` (the extension module or None), ``load_error`` (why not, or None),
+``capability`` ("AVX512", "AVX2", "DEFAULT" or None), ``BACKEND`` (the registered Backend).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from . import reference
+from .registry import Backend, PreparedOp, register_backend
+
+BUILD_COMMAND = "pip install --no-build-isolation -e <repo>  (add `pip install ninja` for speed)"
+
+# Best first; each entry: (module suffix, capability name, capabilities that allow it).
+_CANDIDATES = (
+    ("_C_avx512", "AVX512", ("AVX512",)),
+    ("_C_avx2", "AVX2", ("AVX512", "AVX2")),
+    ("_C_default", "DEFAULT", ("AVX512", "AVX2", "DEFAULT")),
+)
+
+loaded_module = None
+load_error: Optional[str] = None
+capability: Optional[str] = None
+BACKEND: Optional[Backend] = None
+_warned = False
+
+
+def _cpu_capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability()).upper()
+    except Exception:  # pragma: no cover - very old torch
+        return "DEFAULT"
+
+
+def _load():
+    """Import the best allowed extension module; returns (module, capability, error)."""
+    cpu_cap = _cpu_capability()
+    errors = []
+    for suffix, cap, allowed_by in _CANDIDATES:
+        if cpu_cap not in allowed_by:
+            continue
+        try:
+            mod = importlib.import_module(f"multi_tensor.{suffix}")
+        except Exception as exc:  # ImportError, or an ABI mismatch surfacing as OSError etc.
+            errors.append(f"multi_tensor.{suffix}: {type(exc).__name__}: {exc}")
+            continue
+        return mod, cap, None
+    if not errors:
+        errors.append(f"no extension module is usable for CPU capability {cpu_cap}")
+    return None, None, "; ".join(errors)
+
+
+def _warn_once(reason: str) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        "multi_tensor: the native CPU extension did not load, so every multi-tensor op runs on the "
+        f"slower pure-PyTorch reference backend. Reason: {reason}. Build it with: {BUILD_COMMAND}. "
+        "Set MULTI_TENSOR_DISABLE_NATIVE=1 to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _make_backend(mod) -> Backend:
+    def scale(chunk_size, noop_flag, tensor_lists, scale):
+        if not mod.scale(chunk_size, noop_flag, tensor_lists, scale):
+            # a dtype the kernel does not handle (e.g. float8): the reference does it
+            reference.scale(chunk_size, noop_flag, tensor_lists, scale)
+
+    def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+        out = mod.l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
+        if out is None:
+            return reference.l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
+        return out
+
+    def prepare(op, state_lists, chunk_size):
+        if op in ("fused_ema_adamw", "adam"):
+            return mod.PreparedAdamFamily(op, state_lists, chunk_size)
+        impl = BACKEND.ops[op] if BACKEND is not None else getattr(mod, op)
+        return PreparedOp(op, impl, lambda lists: None, state_lists, chunk_size)
+
+    return Backend(
+        name="native_cpu",
+        device_types=("cpu",),
+        priority=10,
+        ops={"fused_ema_adamw": mod.fused_ema_adamw, "adam": mod.adam, "scale": scale,
+             "l2norm": l2norm},
+        prepare=prepare,
+        description=f"C++ {mod.capability} SIMD kernels + at::parallel_for (multi_tensor.{mod.__name__.rsplit('.', 1)[-1]})",
+    )
+
+
+def _init() -> None:
+    global loaded_module, load_error, capability, BACKEND
+    if os.environ.get("MULTI_TENSOR_DISABLE_NATIVE", "0") not in ("", "0"):
+        load_error = "disabled by MULTI_TENSOR_DISABLE_NATIVE"
+        return
+    mod, cap, err = _load()
+    if mod is None:
+        load_error = err
+        _warn_once(err)
+        return
+    loaded_module, capability = mod, cap
+    BACKEND = register_backend(_make_backend(mod))
+
+
+_init()

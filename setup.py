@@ -1,0 +1,97 @@
+"""fused-optim: apex-style fused multi-tensor optimizers for PyTorch.
+
+Install (torch must already be installed; it is deliberately NOT a dependency, so pip never
+fetches a multi-GB CUDA build)::
+
+    pip install ninja                                   # optional, parallel + faster builds
+    pip install --no-build-isolation -e .               # editable / development install
+    pip install --no-build-isolation .                  # regular install
+
+``--no-build-isolation`` is required: the C++ extensions are built against the torch that is
+already installed in this environment.
+
+What gets built: the native CPU backend (``csrc/cpu``) compiled three times from the same sources
+into ``multi_tensor._C_avx512``, ``multi_tensor._C_avx2`` and ``multi_tensor._C_default``; at
+import ``multi_tensor.backends.native_cpu`` picks the best one that
+``torch.backends.cpu.get_cpu_capability()`` allows (``ATEN_CPU_CAPABILITY`` is honoured). No
+``-march=native``: one build runs on any x86-64 CPU.
+
+Environment:
+    FUSED_OPTIM_NO_EXT=1   install pure Python (the reference backend runs everything)
+    MAX_JOBS=N             parallel compile jobs (honoured by torch's BuildExtension/ninja)
+    FUSED_OPTIM_CPU_ISAS   comma list restricting the builds, e.g. "avx512,default"
+
+If torch is not importable at build time, the package installs as pure Python.
+Check the result with ``python -m multi_tensor.env``.
+"""
+import os
+import platform
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The same sources per ISA; -ffp-contract=off keeps GCC from fusing a*b+c into an FMA, which
+# would change the bits relative to the reference backend.
+CPU_SOURCES = ["csrc/cpu/module.cpp", "csrc/cpu/adam_family.cpp", "csrc/cpu/scale_l2norm.cpp"]
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17"]
+ISA_FLAGS = {
+    "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
+               "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "default": ["-DCPU_CAPABILITY=DEFAULT"],
+}
+
+
+def _ext_modules():
+    if os.environ.get("FUSED_OPTIM_NO_EXT", "0") not in ("", "0"):
+        print("fused-optim: FUSED_OPTIM_NO_EXT set; installing pure Python")
+        return [], {}
+    try:
+        import torch  # noqa: F401
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception as exc:  # torch missing or broken: pure Python install
+        print(f"fused-optim: torch not importable ({exc}); installing pure Python")
+        return [], {}
+
+    isas = ["avx512", "avx2", "default"]
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        isas = ["default"]
+    wanted = os.environ.get("FUSED_OPTIM_CPU_ISAS")
+    if wanted:
+        isas = [i for i in isas if i in {w.strip().lower() for w in wanted.split(",")}]
+    exts = []
+    for isa in isas:
+        exts.append(CppExtension(
+            name=f"multi_tensor._C_{isa}",
+            sources=CPU_SOURCES,
+            include_dirs=[os.path.join(HERE, "csrc", "cpu")],
+            extra_compile_args=COMMON_FLAGS + ISA_FLAGS[isa],
+            # torch ships libgomp.so.1 and loads it first; linking -fopenmp resolves to that copy,
+            # so torch.set_num_threads() governs our parallel regions too.
+            extra_link_args=["-fopenmp"],
+        ))
+    return exts, {"build_ext": BuildExtension.with_options(use_ninja=_have_ninja())}
+
+
+def _have_ninja():
+    try:
+        from torch.utils.cpp_extension import is_ninja_available
+        return is_ninja_available()
+    except Exception:
+        return False
+
+
+ext_modules, cmdclass = _ext_modules()
+
+setup(
+    name="fused-optim",
+    version="0.1.0",
+    description="apex-style fused multi-tensor optimizers (AdamW + EMA) for PyTorch",
+    packages=find_packages(include=["multi_tensor*", "fused_optim*"]),
+    python_requires=">=3.9",
+    install_requires=[],  # torch must already be installed; never list it here
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
