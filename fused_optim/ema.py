@@ -47,11 +47,7 @@ class EmaAccessMixin:
         cache: Dict[Tuple[int, int], Optional[float]] = {}
         used: Dict[Tuple[int, int], float] = {}
         index = {id(g): i for i, g in enumerate(self.param_groups)}
-        check_group = getattr(self, "_check_group", None)
-        if check_group is not None:  # every group's hyperparameters, before any bucket runs
-            for group in {id(g): g for g, _, _ in work}.values():
-                check_group(group)
-        for group, bucket, _ in work:
+        for group, bucket, _ in work:  # validates the schedule options and callable results
             key = (id(group), bucket.step + 1)
             if key not in cache:
                 cache[key] = ema_schedules.group_ema_decay(type(self).__name__, group, key[1])

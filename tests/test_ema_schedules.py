@@ -127,7 +127,7 @@ def run_and_record(options, steps=STEPS, dtype=torch.float32, decay=0.97):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_ema_equals_float64_recursion(name):
+def test_ema_equals_float64_recursion(name, backend):
     options, hand = CASES[name]
     opt, params, weights, decays = run_and_record(options)
     expected_decays = [hand(t) for t in range(1, STEPS + 1)]
@@ -144,7 +144,7 @@ def test_ema_equals_float64_recursion(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_before_start_step_ema_tracks_params_exactly(dtype):
+def test_before_start_step_ema_tracks_params_exactly(dtype, backend):
     start = 6
     params = make_params(dtype)
     opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.99, ema_start_step=start,
@@ -275,7 +275,7 @@ def test_set_ema_schedule_and_param_group_options():
     dict(ema_schedule="constant", ema_start_step=12),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_state_dict_round_trip_continues_the_schedule_exactly(options, dtype):
+def test_state_dict_round_trip_continues_the_schedule_exactly(options, dtype, backend):
     total, cut = 30, 11
     ref_params = make_params(dtype)
     ref = FusedEmaAdamW(ref_params, lr=2e-2, ema_decay=0.995, **options)
