@@ -34,7 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The same sources per ISA; -ffp-contract=off keeps GCC from fusing a*b+c into an FMA, which
 # would change the bits relative to the reference backend.
 CPU_SOURCES = ["csrc/cpu/module.cpp", "csrc/cpu/adam_family.cpp", "csrc/cpu/scale_l2norm.cpp"]
-COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17"]
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17",
+                "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
 ISA_FLAGS = {
     "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
                "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],

@@ -92,64 +92,106 @@ struct AdamKernel {
     if (src) std::memcpy(buf, src, sizeof(X) * count);
   }
 
-  // Elements [start, end) of one row, in tiles of T: pass 1, one sqrt over the tile (the same
-  // sqrt routine torch's reference uses), pass 2. A partial block runs the same vector code on
-  // zero-padded copies, so every element gets identical bits wherever it sits.
-  static void run(const RowPtrs& r, int64_t start, int64_t end, const void* scalars) {
-    const auto& c = *static_cast<const AdamScalars<opmath_t>*>(scalars);
+  struct Segment {
+    const RowPtrs* row;
+    int64_t start;  // element offset in the row
+    int64_t len;    // elements
+    int64_t slot;   // offset in the tile
+  };
+
+  // Pass 1 over elements [i, i + len) of a row into tile slots [slot, slot + roundup(len, B)).
+  static inline void seg_pass1(const AdamScalars<opmath_t>& c, const RowPtrs& r, int64_t i,
+                               int64_t len, opmath_t* tm, opmath_t* tq) {
     const G* g = static_cast<const G*>(r.p[kG]);
-    P* p = static_cast<P*>(r.p[kP]);
     S* m = static_cast<S*>(r.p[kM]);
     S* v = static_cast<S*>(r.p[kV]);
+    const W* w = MASTER ? static_cast<const W*>(r.p[kW]) : static_cast<const W*>(r.p[kP]);
+    const int64_t full = len - len % B;
+    for (int64_t k = 0; k < full; k += B) {
+      pass1(c, g + i + k, w + i + k, m + i + k, v + i + k, tm + k, tq + k);
+    }
+    const int64_t rest = len - full;
+    if (rest) {
+      const int64_t j = i + full;
+      G gb[B];
+      W wb[B];
+      S mb[B], vb[B];
+      pad(gb, g + j, rest);
+      pad(wb, w + j, rest);
+      pad(mb, m + j, rest);
+      pad(vb, v + j, rest);
+      pass1(c, gb, wb, mb, vb, tm + full, tq + full);
+      std::memcpy(m + j, mb, sizeof(S) * rest);
+      std::memcpy(v + j, vb, sizeof(S) * rest);
+    }
+  }
+
+  static inline void seg_pass2(const AdamScalars<opmath_t>& c, const RowPtrs& r, int64_t i,
+                               int64_t len, const opmath_t* tm, const opmath_t* tq) {
+    P* p = static_cast<P*>(r.p[kP]);
     S* s = EMA ? static_cast<S*>(r.p[kS]) : nullptr;
     W* w = MASTER ? static_cast<W*>(r.p[kW]) : reinterpret_cast<W*>(p);
+    const int64_t full = len - len % B;
+    for (int64_t k = 0; k < full; k += B) {
+      pass2(c, p + i + k, w + i + k, EMA ? s + i + k : nullptr, tm + k, tq + k);
+    }
+    const int64_t rest = len - full;
+    if (rest) {
+      const int64_t j = i + full;
+      P pb[B];
+      W wb[B];
+      S sb[B];
+      pad(pb, p + j, rest);
+      pad(wb, w + j, rest);
+      pad(sb, EMA ? s + j : nullptr, rest);
+      pass2(c, pb, MASTER ? wb : reinterpret_cast<W*>(pb), sb, tm + full, tq + full);
+      std::memcpy(p + j, pb, sizeof(P) * rest);
+      if constexpr (EMA) std::memcpy(s + j, sb, sizeof(S) * rest);
+      if constexpr (MASTER) std::memcpy(w + j, wb, sizeof(W) * rest);
+    }
+  }
+
+  // A run of chunks (one thread's share). Elements are packed into tiles of T (several small
+  // chunks can share one tile): pass 1 of every segment, ONE sqrt call over the tile (the same
+  // sqrt routine torch's reference uses), then pass 2. A partial block runs the same vector code
+  // on zero-padded copies, so every element gets identical bits wherever it sits.
+  static void run(const Chunk* chunks, int64_t nchunks, const RowPtrs* rows, const void* scalars) {
+    const auto& c = *static_cast<const AdamScalars<opmath_t>*>(scalars);
     alignas(64) opmath_t tm[T];
     alignas(64) opmath_t tq[T];
-    for (int64_t t0 = start; t0 < end; t0 += T) {
-      const int64_t cnt = std::min<int64_t>(T, end - t0);
-      const int64_t full = cnt - cnt % B;
-      for (int64_t k = 0; k < full; k += B) {
-        const int64_t i = t0 + k;
-        pass1(c, g + i, w + i, m + i, v + i, tm + k, tq + k);
+    Segment segs[T / B];
+    int64_t nseg = 0;
+    int64_t fill = 0;
+    auto flush = [&]() {
+      if (fill == 0) return;
+      tile_sqrt(tq, fill);
+      for (int64_t k = 0; k < nseg; ++k) {
+        seg_pass2(c, *segs[k].row, segs[k].start, segs[k].len, tm + segs[k].slot,
+                  tq + segs[k].slot);
       }
-      const int64_t rest = cnt - full;
-      if (rest) {
-        const int64_t i = t0 + full;
-        G gb[B];
-        W wb[B];
-        S mb[B], vb[B];
-        pad(gb, g + i, rest);
-        pad(wb, w + i, rest);
-        pad(mb, m + i, rest);
-        pad(vb, v + i, rest);
-        pass1(c, gb, wb, mb, vb, tm + full, tq + full);
-        std::memcpy(m + i, mb, sizeof(S) * rest);
-        std::memcpy(v + i, vb, sizeof(S) * rest);
-      }
-      const int64_t padded = full + (rest ? B : 0);
-      tile_sqrt(tq, padded);
-      for (int64_t k = 0; k < full; k += B) {
-        const int64_t i = t0 + k;
-        pass2(c, p + i, w + i, EMA ? s + i : nullptr, tm + k, tq + k);
-      }
-      if (rest) {
-        const int64_t i = t0 + full;
-        P pb[B];
-        W wb[B];
-        S sb[B];
-        pad(pb, p + i, rest);
-        pad(wb, w + i, rest);
-        pad(sb, s ? s + i : nullptr, rest);
-        pass2(c, pb, MASTER ? wb : reinterpret_cast<W*>(pb), sb, tm + full, tq + full);
-        std::memcpy(p + i, pb, sizeof(P) * rest);
-        if constexpr (EMA) std::memcpy(s + i, sb, sizeof(S) * rest);
-        if constexpr (MASTER) std::memcpy(w + i, wb, sizeof(W) * rest);
+      nseg = 0;
+      fill = 0;
+    };
+    for (int64_t ci = 0; ci < nchunks; ++ci) {
+      const Chunk& ch = chunks[ci];
+      const RowPtrs& r = rows[ch.row];
+      int64_t pos = ch.start;
+      while (pos < ch.end) {
+        const int64_t avail = T - fill;  // a multiple of B
+        int64_t len = ch.end - pos;
+        if (((len + B - 1) / B) * B > avail) len = avail;
+        seg_pass1(c, r, pos, len, tm + fill, tq + fill);
+        segs[nseg++] = Segment{&r, pos, len, fill};
+        fill += ((len + B - 1) / B) * B;
+        pos += len;
+        if (fill == T) flush();
       }
     }
+    flush();
   }
 };
 
-using KernelFn = void (*)(const RowPtrs&, int64_t, int64_t, const void*);
+using KernelFn = void (*)(const Chunk*, int64_t, const RowPtrs*, const void*);
 
 template <bool EMA, bool MASTER, typename P>
 KernelFn select_grad(c10::ScalarType gt) {
@@ -231,59 +273,90 @@ AdamScalars<opmath_t> make_scalars(const AdamHyper& h, bool has_ema) {
   return c;
 }
 
-// Rows whose tensors cannot be addressed as one flat array with the params' layout run on
-// temporaries; in-place outputs are copied back afterwards.
-struct RowSetup {
-  std::vector<RowPtrs> ptrs;
-  std::vector<int64_t> numels;
-  std::vector<at::Tensor> temps;
-  std::vector<std::pair<at::Tensor, at::Tensor>> writeback;  // (destination, temporary)
-};
-
-void setup_rows(const std::vector<std::array<const at::Tensor*, kSlots>>& rows, RowSetup& out) {
-  const size_t n = rows.size();
-  out.ptrs.resize(n);
-  out.numels.resize(n);
-  for (size_t r = 0; r < n; ++r) {
-    const auto& row = rows[r];
-    const at::Tensor& ref = *row[kP];
-    out.numels[r] = ref.numel();
-    const bool ref_flat = ref.is_contiguous() || ref.is_non_overlapping_and_dense();
-    for (int k = 0; k < kSlots; ++k) {
-      if (!row[k]) {
-        out.ptrs[r].p[k] = nullptr;
-        continue;
-      }
-      const at::Tensor& t = *row[k];
-      // Target layout: the params' own layout when it is flat, else contiguous.
-      const bool direct = ref_flat ? (k == kP || same_layout(t, ref)) : t.is_contiguous();
-      if (direct) {
-        out.ptrs[r].p[k] = t.numel() ? const_cast<void*>(t.const_data_ptr()) : nullptr;
-        continue;
-      }
-      at::Tensor tmp = ref_flat ? at::empty_strided(ref.sizes(), ref.strides(), t.options())
-                                : at::empty(ref.sizes(), t.options());
-      tmp.copy_(t);
-      out.ptrs[r].p[k] = tmp.numel() ? tmp.data_ptr() : nullptr;
-      if (k != kG) out.writeback.emplace_back(t, tmp);
-      out.temps.push_back(std::move(tmp));
+// A row is addressed directly (one flat array per tensor) when the params are non-overlapping
+// and dense and every other tensor of the row has the params' layout; elementwise math does not
+// care about the order of elements in memory.
+inline bool gather_direct(const std::array<const at::Tensor*, kSlots>& row, RowPtrs& out,
+                          int64_t numel) {
+  const at::Tensor& ref = *row[kP];
+  const bool ref_contig = ref.is_contiguous();
+  if (!ref_contig && !ref.is_non_overlapping_and_dense()) return false;
+  for (int k = 0; k < kSlots; ++k) {
+    const at::Tensor* t = row[k];
+    if (!t) {
+      out.p[k] = nullptr;
+      continue;
     }
+    if (k != kP && !(ref_contig ? t->is_contiguous() : t->strides().equals(ref.strides())))
+      return false;
+    // in-place outputs via mutable_data_ptr (materializes a copy-on-write storage first)
+    out.p[k] = !numel ? nullptr
+               : k == kG ? const_cast<void*>(t->const_data_ptr()) : t->mutable_data_ptr();
   }
+  return true;
 }
 
+}  // namespace
+
+// Rows that cannot be addressed directly run on temporaries (the params' layout when it is
+// flat, else contiguous); in-place outputs are copied back after the kernel.
+struct AdamBucket {
+  std::vector<RowPtrs> ptrs;
+  std::vector<int64_t> numels;
+  std::vector<std::pair<size_t, std::array<const at::Tensor*, kSlots>>> slow;
+  std::vector<at::Tensor> temps;
+  std::vector<std::pair<at::Tensor, at::Tensor>> writeback;  // (destination, temporary)
+  c10::ScalarType pt = c10::kFloat, gt = c10::kFloat;
+
+  void reset(size_t n) {
+    ptrs.resize(n);
+    numels.resize(n);
+    slow.clear();
+  }
+  void add(size_t i, const std::array<const at::Tensor*, kSlots>& row, int64_t numel) {
+    numels[i] = numel;
+    if (!gather_direct(row, ptrs[i], numel)) slow.emplace_back(i, row);
+  }
+  void setup_slow() {
+    for (auto& [r, row] : slow) {
+      const at::Tensor& ref = *row[kP];
+      const bool ref_flat = ref.is_contiguous() || ref.is_non_overlapping_and_dense();
+      for (int k = 0; k < kSlots; ++k) {
+        if (!row[k]) {
+          ptrs[r].p[k] = nullptr;
+          continue;
+        }
+        const at::Tensor& t = *row[k];
+        const bool direct = ref_flat ? (k == kP || same_layout(t, ref)) : t.is_contiguous();
+        if (direct) {
+          ptrs[r].p[k] = !t.numel() ? nullptr
+                         : k == kG ? const_cast<void*>(t.const_data_ptr()) : t.mutable_data_ptr();
+          continue;
+        }
+        at::Tensor tmp = ref_flat ? at::empty_strided(ref.sizes(), ref.strides(), t.options())
+                                  : at::empty(ref.sizes(), t.options());
+        tmp.copy_(t);
+        ptrs[r].p[k] = tmp.numel() ? tmp.data_ptr() : nullptr;
+        if (k != kG) writeback.emplace_back(t, tmp);
+        temps.push_back(std::move(tmp));
+      }
+    }
+  }
+};
+
+namespace {
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
 // The shared execution path (validated rows in, update applied)
 // ------------------------------------------------------------------------------------------------
 
-void run_adam_family(const std::vector<std::array<const at::Tensor*, 6>>& rows, bool has_ema,
-                     bool has_master, int64_t chunk_size, const std::optional<at::Tensor>& noop,
-                     const AdamHyper& h) {
-  if (rows.empty()) return;
+void run_adam_bucket(AdamBucket& bucket, bool has_ema, bool has_master, int64_t chunk_size,
+                     const std::optional<at::Tensor>& noop, const AdamHyper& h) {
+  if (bucket.ptrs.empty()) return;
   if (noop_is_set(noop)) return;
-  const auto pt = rows[0][kP]->scalar_type();
-  const auto gt = rows[0][kG]->scalar_type();
+  const auto pt = bucket.pt;
+  const auto gt = bucket.gt;
   KernelFn fn = has_ema ? select_kernel<true>(pt, gt, has_master)
                         : select_kernel<false>(pt, gt, has_master);
   TORCH_CHECK_TYPE(fn != nullptr, "multi_tensor: unsupported dtype combination params=",
@@ -294,10 +367,10 @@ void run_adam_family(const std::vector<std::array<const at::Tensor*, 6>>& rows, 
   if (fp64) cd = make_scalars<double>(h, has_ema); else cf = make_scalars<float>(h, has_ema);
   const void* scalars = fp64 ? static_cast<const void*>(&cd) : static_cast<const void*>(&cf);
 
-  RowSetup setup;
-  setup_rows(rows, setup);
+  bucket.setup_slow();
   std::vector<Chunk> chunks;
-  const int64_t total = build_chunks(setup.numels, chunk_size, chunks);
+  const int64_t total = build_chunks(bucket.numels, chunk_size, chunks);
+  const RowPtrs* rows = bucket.ptrs.data();
 
   if (h.check_finite) {
     std::atomic<bool> bad{false};
@@ -305,7 +378,7 @@ void run_adam_family(const std::vector<std::array<const at::Tensor*, 6>>& rows, 
       py::gil_scoped_release nogil;
       launch(chunks, total, [&](const Chunk& ch) {
         if (bad.load(std::memory_order_relaxed)) return;
-        const void* g = setup.ptrs[ch.row].p[kG];
+        const void* g = rows[ch.row].p[kG];
         const int64_t n = ch.end - ch.start;
         bool b = false;
         switch (gt) {
@@ -324,9 +397,9 @@ void run_adam_family(const std::vector<std::array<const at::Tensor*, 6>>& rows, 
   }
   {
     py::gil_scoped_release nogil;
-    launch(chunks, total, [&](const Chunk& ch) { fn(setup.ptrs[ch.row], ch.start, ch.end, scalars); });
+    launch_ranges(chunks, total, [&](const Chunk* c, int64_t n) { fn(c, n, rows, scalars); });
   }
-  for (auto& wb : setup.writeback) wb.first.copy_(wb.second);
+  for (auto& wb : bucket.writeback) wb.first.copy_(wb.second);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -415,13 +488,15 @@ AdamForm validate_adam_family(bool has_ema, const std::vector<PyTensorList*>& li
   return form;
 }
 
-// Rows in slot order from validated lists (list index -> slot).
-void rows_from_lists(bool has_ema, bool has_master, const std::vector<PyTensorList*>& lists,
-                     std::vector<std::array<const at::Tensor*, 6>>& rows) {
+// Bucket from validated lists (list index -> slot).
+void bucket_from_lists(bool has_ema, bool has_master, const std::vector<PyTensorList*>& lists,
+                       AdamBucket& bucket) {
   const size_t n = lists[0]->size();
-  rows.resize(n);
+  bucket.reset(n);
+  bucket.pt = lists[1]->items[0]->scalar_type();
+  bucket.gt = lists[0]->items[0]->scalar_type();
   for (size_t i = 0; i < n; ++i) {
-    auto& row = rows[i];
+    std::array<const at::Tensor*, kSlots> row;
     row.fill(nullptr);
     row[kG] = lists[0]->items[i];
     row[kP] = lists[1]->items[i];
@@ -429,6 +504,7 @@ void rows_from_lists(bool has_ema, bool has_master, const std::vector<PyTensorLi
     row[kV] = lists[3]->items[i];
     if (has_ema) row[kS] = lists[4]->items[i];
     if (has_master) row[kW] = lists[has_ema ? 5 : 4]->items[i];
+    bucket.add(i, row, row[kP]->numel());
   }
 }
 
@@ -493,9 +569,9 @@ void adam_family_op(bool has_ema, int64_t chunk_size, const std::optional<at::Te
   h.step = parse_step(op, step);
   check_scalars(op, chunk_size, h);
   if (form.rows == 0) return;
-  std::vector<std::array<const at::Tensor*, 6>> rows;
-  rows_from_lists(has_ema, form.has_master, lists, rows);
-  run_adam_family(rows, has_ema, form.has_master, chunk_size, noop, h);
+  AdamBucket bucket;
+  bucket_from_lists(has_ema, form.has_master, lists, bucket);
+  run_adam_bucket(bucket, has_ema, form.has_master, chunk_size, noop, h);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -504,7 +580,8 @@ void adam_family_op(bool has_ema, int64_t chunk_size, const std::optional<at::Te
 
 PreparedAdamFamily::PreparedAdamFamily(const std::string& op_name, py::handle state_lists,
                                        int64_t chunk_size)
-    : op_name_(op_name), chunk_size_(chunk_size) {
+    : op_name_(op_name), msg_op_(adam_op_name(op_name == "fused_ema_adamw")),
+      chunk_size_(chunk_size) {
   TORCH_CHECK_VALUE(op_name == "fused_ema_adamw" || op_name == "adam",
                     "PreparedAdamFamily: op must be 'fused_ema_adamw' or 'adam', got '", op_name,
                     "'");
@@ -553,14 +630,27 @@ void PreparedAdamFamily::validate(py::handle grads) {
   full_validate(g);
 }
 
-// Cheap per-call re-check of a validated bucket: grads against params, and the state tensors'
-// numel/dtype/device (a `p.data = x` may swap storage between steps). Anything unexpected goes
-// through the full validation, which raises the precise error.
-bool PreparedAdamFamily::fast_check(const PyTensorList& grads) const {
+namespace {
+inline void prefetch_impl(const at::Tensor& t) {
+  const char* c = reinterpret_cast<const char*>(t.unsafeGetTensorImpl());
+  __builtin_prefetch(c);
+  __builtin_prefetch(c + 64);
+  __builtin_prefetch(c + 128);
+  __builtin_prefetch(c + 192);
+}
+inline void prefetch_storage(const at::Tensor& t) {
+  __builtin_prefetch(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+}
+}  // namespace
+
+// One pass per call over a validated bucket: cheap re-checks (grads against params; the state
+// tensors' numel/dtype/device, since `p.data = x` may swap storage between steps) fused with
+// gathering the data pointers, so each tensor's metadata is touched once. Anything unexpected
+// returns false and the call goes through the full validation, which raises the precise error.
+bool PreparedAdamFamily::gather(const PyTensorList& grads, AdamBucket& bucket) const {
   if (!validated_) return false;
   const size_t n = grads.size();
-  if (state_.empty() || state_[0].size() != n) return false;
-  const auto& params = state_[0];
+  if (state_.empty() || state_[0].size() != n || n == 0) return false;
   const at::Tensor* g0 = grads.items[0];
   if (!g0) return false;
   const auto gdt = g0->scalar_type();
@@ -569,49 +659,74 @@ bool PreparedAdamFamily::fast_check(const PyTensorList& grads) const {
                                        gdt == c10::kBFloat16))
     return false;
   const auto sdt = has_master_ ? c10::kFloat : param_dtype_;
+  const size_t ns = state_.size();
+  bucket.reset(n);
+  bucket.pt = param_dtype_;
+  bucket.gt = gdt;
+  // The metadata of thousands of tensors is scattered over the heap: this loop is bound by
+  // cache misses, so prefetch a few rows ahead (Python object -> TensorImpl -> StorageImpl).
+  constexpr size_t kAhead = 16;
   for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      __builtin_prefetch(grads.objs[i + kAhead]);
+      for (size_t k = 0; k < ns; ++k) prefetch_impl(state_[k][i + kAhead]);
+    }
+    if (i + kAhead / 2 < n) {
+      const size_t j = i + kAhead / 2;
+      if (grads.items[j]) prefetch_impl(*grads.items[j]);
+      for (size_t k = 0; k < ns; ++k) prefetch_storage(state_[k][j]);
+    }
+    if (i + kAhead / 4 < n && grads.items[i + kAhead / 4]) prefetch_storage(*grads.items[i + kAhead / 4]);
     const at::Tensor* g = grads.items[i];
-    const at::Tensor& p = params[i];
-    if (!g || g->scalar_type() != gdt || g->layout() != c10::kStrided || !g->is_cpu()) return false;
-    if (p.scalar_type() != param_dtype_ || !p.is_cpu() || p.layout() != c10::kStrided) return false;
+    const at::Tensor& p = state_[0][i];
+    if (!g || g->scalar_type() != gdt || !g->is_cpu() || g->layout() != c10::kStrided) return false;
+    if (p.scalar_type() != param_dtype_ || !p.is_cpu()) return false;
     if (!g->sizes().equals(p.sizes())) return false;
     const int64_t numel = p.numel();
-    for (size_t k = 1; k < state_.size(); ++k) {
+    std::array<const at::Tensor*, kSlots> row;
+    row.fill(nullptr);
+    row[kG] = g;
+    row[kP] = &p;
+    for (size_t k = 1; k < ns; ++k) {
       const at::Tensor& t = state_[k][i];
-      if (t.numel() != numel || t.scalar_type() != sdt || !t.is_cpu() ||
-          t.layout() != c10::kStrided)
-        return false;
+      if (t.numel() != numel || t.scalar_type() != sdt || !t.is_cpu()) return false;
     }
+    row[kM] = &state_[1][i];
+    row[kV] = &state_[2][i];
+    if (has_ema_) row[kS] = &state_[3][i];
+    if (has_master_) row[kW] = &state_[ns - 1][i];
+    bucket.add(i, row, numel);
   }
   return true;
 }
 
 void PreparedAdamFamily::call(py::handle grads, const std::optional<at::Tensor>& noop, AdamHyper& h,
                               py::handle step) {
-  const std::string op = adam_op_name(has_ema_);
+  const std::string& op = msg_op_;
   PyTensorList g;
   unpack_list(grads, g, op + ": grads");
-  bool has_rows = true;
-  if (g.size() == 0 || !fast_check(g)) {
-    has_rows = full_validate(g).rows > 0;
+  AdamBucket bucket;
+  if (!gather(g, bucket)) {
+    if (full_validate(g).rows == 0) {
+      h.step = parse_step(op, step);
+      check_scalars(op, chunk_size_, h);
+      return;
+    }
+    if (!gather(g, bucket)) {
+      // validated but not gatherable by the fast path (should not happen): generic path
+      std::vector<PyTensorList> st(state_.size());
+      std::vector<PyTensorList*> lists{&g};
+      for (size_t k = 0; k < state_.size(); ++k) {
+        for (auto& t : state_[k]) st[k].items.push_back(&t);
+        st[k].objs.assign(state_[k].size(), nullptr);
+        lists.push_back(&st[k]);
+      }
+      bucket_from_lists(has_ema_, has_master_, lists, bucket);
+    }
   }
   h.step = parse_step(op, step);
   check_scalars(op, chunk_size_, h);
-  if (!has_rows) return;
-  const size_t n = g.size();
-  std::vector<std::array<const at::Tensor*, 6>> rows(n);
-  const size_t nl = state_.size() + 1;
-  for (size_t i = 0; i < n; ++i) {
-    auto& row = rows[i];
-    row.fill(nullptr);
-    row[kG] = g.items[i];
-    row[kP] = &state_[0][i];
-    row[kM] = &state_[1][i];
-    row[kV] = &state_[2][i];
-    if (has_ema_) row[kS] = &state_[3][i];
-    if (has_master_) row[kW] = &state_[nl - 2][i];
-  }
-  run_adam_family(rows, has_ema_, has_master_, chunk_size_, noop, h);
+  run_adam_bucket(bucket, has_ema_, has_master_, chunk_size_, noop, h);
 }
 
 py::list PreparedAdamFamily::state_lists() const {

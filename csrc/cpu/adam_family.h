@@ -35,10 +35,7 @@ std::string adam_op_name(bool has_ema);
 // validation.check_adam_family_lists in C++ (same checks, order, messages and exception types).
 AdamForm validate_adam_family(bool has_ema, const std::vector<PyTensorList*>& lists);
 
-// Run a validated bucket; rows hold (grad, param, exp_avg, exp_avg_sq, ema|null, master|null).
-void run_adam_family(const std::vector<std::array<const at::Tensor*, 6>>& rows, bool has_ema,
-                     bool has_master, int64_t chunk_size, const std::optional<at::Tensor>& noop,
-                     const AdamHyper& h);
+struct AdamBucket;
 
 // The persistent form: holds the state lists (everything but grads) as at::Tensor handles and
 // re-reads data pointers on every call (`p.data = x` may swap a tensor's storage).
@@ -55,9 +52,10 @@ class PreparedAdamFamily {
 
  private:
   AdamForm full_validate(const PyTensorList& grads);
-  bool fast_check(const PyTensorList& grads) const;
+  bool gather(const PyTensorList& grads, AdamBucket& bucket) const;
 
   std::string op_name_;
+  std::string msg_op_;
   int64_t chunk_size_;
   bool has_ema_ = true;
   bool has_master_ = false;

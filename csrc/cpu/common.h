@@ -70,19 +70,38 @@ inline int64_t build_chunks(const std::vector<int64_t>& numels, int64_t chunk_si
   return total;
 }
 
-// Run f(chunk) for every chunk: one at::parallel_for over all chunks of all tensors, or inline
-// when the call is small. Every chunk is processed by exactly one thread with the same code, so
-// the result does not depend on chunk size or thread count.
+struct VmlSqrt;
+const VmlSqrt& vml_sqrt();
+inline void with_mkl_single_thread_begin(int& prev);
+inline void with_mkl_single_thread_end(int prev);
+
+// Run f(first_chunk, count) over contiguous runs of the chunk table: one at::parallel_for over
+// all chunks of all tensors, or inline when the call is small. Every element is processed by
+// exactly one thread with the same code, so results do not depend on chunk size or threads.
 template <typename F>
-inline void launch(const std::vector<Chunk>& chunks, int64_t total, const F& f) {
+inline void launch_ranges(const std::vector<Chunk>& chunks, int64_t total, const F& f) {
   const int64_t n = static_cast<int64_t>(chunks.size());
   if (n == 0) return;
   if (total < kInlineNumel || n == 1 || at::get_num_threads() <= 1 || at::in_parallel_region()) {
-    for (int64_t i = 0; i < n; ++i) f(chunks[i]);
+    int prev;
+    with_mkl_single_thread_begin(prev);
+    f(chunks.data(), n);
+    with_mkl_single_thread_end(prev);
     return;
   }
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) f(chunks[i]);
+    int prev;
+    with_mkl_single_thread_begin(prev);
+    f(chunks.data() + begin, end - begin);
+    with_mkl_single_thread_end(prev);
+  });
+}
+
+// Run f(chunk) for every chunk.
+template <typename F>
+inline void launch(const std::vector<Chunk>& chunks, int64_t total, const F& f) {
+  launch_ranges(chunks, total, [&](const Chunk* c, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) f(c[i]);
   });
 }
 
@@ -135,13 +154,26 @@ constexpr int64_t kTile = 1024;  // elements per sqrt call
 using vml_s_fn = void (*)(int64_t, const float*, float*, long long);
 using vml_d_fn = void (*)(int64_t, const double*, double*, long long);
 
+using mkl_threads_fn = int (*)(int);
+
 struct VmlSqrt {
   vml_s_fn s = nullptr;
   vml_d_fn d = nullptr;
+  mkl_threads_fn set_threads_local = nullptr;  // MKL_Set_Num_Threads_Local (C API)
 };
+
 
 // Resolved once per process in module.cpp (dlsym on libtorch_cpu's symbols).
 const VmlSqrt& vml_sqrt();
+
+inline void with_mkl_single_thread_begin(int& prev) {
+  const auto fn = vml_sqrt().set_threads_local;
+  prev = fn ? fn(1) : 0;
+}
+inline void with_mkl_single_thread_end(int prev) {
+  const auto fn = vml_sqrt().set_threads_local;
+  if (fn) fn(prev);
+}
 
 template <typename opmath_t>
 inline void tile_sqrt(opmath_t* q, int64_t n) {

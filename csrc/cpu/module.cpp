@@ -23,6 +23,9 @@ const VmlSqrt& vml_sqrt() {
       if (!handle) continue;
       if (!f.s) f.s = reinterpret_cast<vml_s_fn>(dlsym(handle, "vmsSqrt_64"));
       if (!f.d) f.d = reinterpret_cast<vml_d_fn>(dlsym(handle, "vmdSqrt_64"));
+      if (!f.set_threads_local)
+        f.set_threads_local =
+            reinterpret_cast<mkl_threads_fn>(dlsym(handle, "MKL_Set_Num_Threads_Local"));
     }
     if (!f.s || !f.d) f = VmlSqrt{};
     return f;
