@@ -33,7 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The same sources per ISA; -ffp-contract=off keeps GCC from fusing a*b+c into an FMA, which
 # would change the bits relative to the reference backend.
-CPU_SOURCES = ["csrc/cpu/module.cpp", "csrc/cpu/adam_family.cpp", "csrc/cpu/scale_l2norm.cpp"]
+# One unity TU (csrc/cpu/unity.cpp includes adam_family.cpp, scale_l2norm.cpp, module.cpp).
+CPU_SOURCES = ["csrc/cpu/unity.cpp"]
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17",
                 "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
 ISA_FLAGS = {
@@ -72,7 +73,18 @@ def _ext_modules():
             # so torch.set_num_threads() governs our parallel regions too.
             extra_link_args=["-fopenmp"],
         ))
-    return exts, {"build_ext": BuildExtension.with_options(use_ninja=_have_ninja())}
+    base = BuildExtension.with_options(use_ninja=_have_ninja())
+
+    class ParallelBuildExtension(base):
+        """Build the per-ISA extensions concurrently (each is one unity TU), MAX_JOBS at most."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            if not self.parallel:
+                jobs = os.environ.get("MAX_JOBS")
+                self.parallel = max(1, int(jobs) if jobs and jobs.isdigit() else (os.cpu_count() or 1))
+
+    return exts, {"build_ext": ParallelBuildExtension}
 
 
 def _have_ninja():
