@@ -33,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The same sources per ISA; -ffp-contract=off keeps GCC from fusing a*b+c into an FMA, which
 # would change the bits relative to the reference backend.
-# One unity TU (csrc/cpu/unity.cpp includes adam_family.cpp, scale_l2norm.cpp, module.cpp).
-CPU_SOURCES = ["csrc/cpu/unity.cpp"]
+# One unity TU per ISA: csrc/cpu/isa/unity_<isa>.cpp includes csrc/cpu/unity.cpp, which includes
+# adam_family.cpp, scale_l2norm.cpp and module.cpp (distinct paths -> distinct object files).
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17",
                 "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
 ISA_FLAGS = {
@@ -66,7 +66,7 @@ def _ext_modules():
     for isa in isas:
         exts.append(CppExtension(
             name=f"multi_tensor._C_{isa}",
-            sources=CPU_SOURCES,
+            sources=[f"csrc/cpu/isa/unity_{isa}.cpp"],
             include_dirs=[os.path.join(HERE, "csrc", "cpu")],
             extra_compile_args=COMMON_FLAGS + ISA_FLAGS[isa],
             # torch ships libgomp.so.1 and loads it first; linking -fopenmp resolves to that copy,
