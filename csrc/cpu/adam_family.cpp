@@ -121,6 +121,9 @@ struct AdamKernel {
       pad(mb, m + j, rest);
       pad(vb, v + j, rest);
       pass1(c, gb, wb, mb, vb, tm + full, tq + full);
+      // padding lanes: 1 rather than 0, which would send MKL's sqrt down its slow special-value
+      // path (the padded results are discarded either way)
+      for (int64_t k = rest; k < B; ++k) tq[full + k] = opmath_t(1);
       std::memcpy(m + j, mb, sizeof(S) * rest);
       std::memcpy(v + j, vb, sizeof(S) * rest);
     }
@@ -175,6 +178,17 @@ struct AdamKernel {
     for (int64_t ci = 0; ci < nchunks; ++ci) {
       const Chunk& ch = chunks[ci];
       const RowPtrs& r = rows[ch.row];
+      if (ci + 2 < nchunks && chunks[ci].end - chunks[ci].start < 256) {
+        // many small tensors: their data is scattered, so start the next loads early
+        const Chunk& nx = chunks[ci + 2];
+        const RowPtrs& nr = rows[nx.row];
+        __builtin_prefetch(static_cast<const G*>(nr.p[kG]) + nx.start);
+        __builtin_prefetch(static_cast<const P*>(nr.p[kP]) + nx.start, 1);
+        __builtin_prefetch(static_cast<const S*>(nr.p[kM]) + nx.start, 1);
+        __builtin_prefetch(static_cast<const S*>(nr.p[kV]) + nx.start, 1);
+        if constexpr (EMA) __builtin_prefetch(static_cast<const S*>(nr.p[kS]) + nx.start, 1);
+        if constexpr (MASTER) __builtin_prefetch(static_cast<const W*>(nr.p[kW]) + nx.start, 1);
+      }
       int64_t pos = ch.start;
       while (pos < ch.end) {
         const int64_t avail = T - fill;  // a multiple of B
