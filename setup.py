@@ -26,6 +26,7 @@ Check the result with ``python -m multi_tensor.env``.
 """
 import os
 import platform
+import threading
 
 from setuptools import find_packages, setup
 
@@ -74,15 +75,41 @@ def _ext_modules():
             extra_link_args=["-fopenmp"],
         ))
     base = BuildExtension.with_options(use_ninja=_have_ninja())
+    tls = threading.local()
+    lock = threading.Lock()
 
     class ParallelBuildExtension(base):
-        """Build the per-ISA extensions concurrently (each is one unity TU), MAX_JOBS at most."""
+        """Build the per-ISA extensions concurrently (each is one unity TU), MAX_JOBS at most.
+
+        torch's ninja path writes ``build.ninja`` into the shared build_temp, so each extension
+        compiles into its own subdirectory (the compiler's output_dir is redirected per thread).
+        """
 
         def finalize_options(self):
             super().finalize_options()
             if not self.parallel:
                 jobs = os.environ.get("MAX_JOBS")
                 self.parallel = max(1, int(jobs) if jobs and jobs.isdigit() else (os.cpu_count() or 1))
+
+        def build_extension(self, ext):
+            with lock:
+                if not getattr(self.compiler, "_fused_optim_per_ext_dir", False):
+                    compile_ = self.compiler.compile
+
+                    def compile_per_ext(sources, output_dir=None, *args, **kwargs):
+                        sub = getattr(tls, "subdir", None)
+                        if output_dir and sub:
+                            output_dir = os.path.join(output_dir, sub)
+                            os.makedirs(output_dir, exist_ok=True)
+                        return compile_(sources, output_dir, *args, **kwargs)
+
+                    self.compiler.compile = compile_per_ext
+                    self.compiler._fused_optim_per_ext_dir = True
+            tls.subdir = ext.name.rsplit(".", 1)[-1]
+            try:
+                super().build_extension(ext)
+            finally:
+                tls.subdir = None
 
     return exts, {"build_ext": ParallelBuildExtension}
 
