@@ -4,8 +4,8 @@ Install (torch must already be installed; it is deliberately NOT a dependency, s
 fetches a multi-GB CUDA build)::
 
     pip install ninja                                   # optional, parallel + faster builds
-    pip install --no-build-isolation -e .               # editable / development install
-    pip install --no-build-isolation .                  # regular install
+    pip install --no-build-isolation --use-pep517 -e .  # editable / development install
+    pip install --no-build-isolation --use-pep517 .     # regular install
 
 ``--no-build-isolation`` is required: the C++ extensions are built against the torch that is
 already installed in this environment. Build time (2 cores, gcc 12, ninja): about 75 s for all

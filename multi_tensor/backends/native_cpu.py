@@ -24,7 +24,7 @@ import torch
 from . import reference
 from .registry import Backend, PreparedOp, register_backend
 
-BUILD_COMMAND = "pip install --no-build-isolation -e <repo>  (add `pip install ninja` for speed)"
+BUILD_COMMAND = "pip install --no-build-isolation --use-pep517 -e <repo>  (add `pip install ninja` for speed)"
 
 # Best first; each entry: (module suffix, capability name, capabilities that allow it).
 _CANDIDATES = (
