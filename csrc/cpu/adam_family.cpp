@@ -1,5 +1,6 @@
-// fused_ema_adamw and adam: one kernel template (the EMA compiled in or out), the apex-style op
-// front-ends with C++ validation, and the prepared (persistent) form used by the optimizers.
+// fused_ema_adamw, adam and radam: one kernel template (the update rule a template parameter,
+// the EMA compiled in or out), the apex-style op front-ends with C++ validation, and the prepared
+// (persistent) form used by the optimizers.
 //
 // Arithmetic: exactly the op sequence of multi_tensor/backends/reference.py, in opmath (fp32, or
 // fp64 for fp64 buckets), each scalar computed in double and rounded to opmath once. This file
@@ -22,13 +23,71 @@ struct RowPtrs {
   void* p[kSlots];
 };
 
+// Every scalar of one call, rounded to opmath once (the fields a rule does not use stay unset).
 template <typename opmath_t>
 struct AdamScalars {
   opmath_t inv_scale, wd, beta1, omb1, beta2, omb2, bc1, bc2, eps, lr, ema, ome;
   bool has_scale, maximize, l2_decay, decoupled_decay;
+  // radam only: p * dec (decoupled decay), the lerp weight w = 1 - beta1 and w1 = 1 - w (opmath),
+  // sqrt(bc2), the rectification term, and the per-call branches.
+  opmath_t dec, w, w1, sbc2, rect;
+  bool small, rectified;
 };
 
-template <typename opmath_t, typename P, typename G, bool MASTER, bool EMA>
+// An update rule: moments() runs in pass 1 on the prepared grad (unscaled, negated under
+// maximize) and returns m', v' and the value whose sqrt pass 2 needs; update() runs in pass 2 on
+// m' and that sqrt and returns the new weights. Each rule is the reference backend's op sequence.
+
+// Adam / AdamW (reference.adam_family).
+struct AdamRule {
+  template <typename V, typename C>
+  static inline void moments(const C& c, V g, const V& w, const V& m, const V& v, V& mn, V& vn,
+                             V& q) {
+    if (c.l2_decay) g = g + w * V(c.wd);
+    mn = m * V(c.beta1) + g * V(c.omb1);
+    vn = v * V(c.beta2) + (g * V(c.omb2)) * g;
+    q = vn / V(c.bc2);
+  }
+  template <typename V, typename C>
+  static inline V update(const C& c, const V& w, const V& mn, const V& sq) {
+    const V denom = sq + V(c.eps);
+    V u = (mn / V(c.bc1)) / denom;
+    if (c.decoupled_decay) u = u + w * V(c.wd);
+    return w - u * V(c.lr);
+  }
+  template <typename C>
+  static inline bool needs_sqrt(const C&) { return true; }
+};
+
+// torch.optim.RAdam (reference.radam): m.lerp_(g, 1 - beta1), the rho_t > 5 branch per call.
+struct RAdamRule {
+  template <typename V, typename C>
+  static inline void moments(const C& c, V g, const V& w, const V& m, const V& v, V& mn, V& vn,
+                             V& q) {
+    if (c.l2_decay) g = g + w * V(c.wd);
+    const V d = g - m;
+    mn = c.small ? m + d * V(c.w) : g - d * V(c.w1);
+    vn = v * V(c.beta2) + (g * V(c.omb2)) * g;
+    q = vn;
+  }
+  template <typename V, typename C>
+  static inline V update(const C& c, const V& w, const V& mn, const V& sq) {
+    const V wd = c.decoupled_decay ? w * V(c.dec) : w;
+    const V mh = mn / V(c.bc1);
+    V u;
+    if (c.rectified) {
+      const V a = (V(1) / (sq + V(c.eps))) * V(c.sbc2);
+      u = ((mh * V(c.lr)) * a) * V(c.rect);
+    } else {
+      u = mh * V(c.lr);
+    }
+    return wd - u;
+  }
+  template <typename C>
+  static inline bool needs_sqrt(const C& c) { return c.rectified; }
+};
+
+template <typename opmath_t, typename P, typename G, bool MASTER, bool EMA, typename Rule>
 struct AdamKernel {
   using V = Vectorized<opmath_t>;
   using S = std::conditional_t<MASTER, float, P>;  // exp_avg / exp_avg_sq / ema storage
@@ -37,7 +96,8 @@ struct AdamKernel {
   static constexpr int64_t T = kTile;
   static_assert(T % B == 0, "tile must be a multiple of the block");
 
-  // Pass 1 (one block): g -> m', v'; stores m', v' and keeps m' and v'/bc2 in opmath tiles.
+  // Pass 1 (one block): g -> m', v'; stores m', v' and keeps m' and the rule's sqrt input in
+  // opmath tiles.
   static inline void pass1(const AdamScalars<opmath_t>& c, const G* g, const W* w, S* m, S* v,
                            opmath_t* tm, opmath_t* tq) {
     V g0, g1, w0, w1, m0, m1, v0, v1;
@@ -54,17 +114,17 @@ struct AdamKernel {
       V gh = *gs[h];
       if (c.has_scale) gh = gh * V(c.inv_scale);
       if (c.maximize) gh = gh.neg();
-      if (c.l2_decay) gh = gh + *ws[h] * V(c.wd);
-      mn[h] = *ms[h] * V(c.beta1) + gh * V(c.omb1);
-      vn[h] = *vs[h] * V(c.beta2) + (gh * V(c.omb2)) * gh;
+      V q;
+      Rule::moments(c, gh, *ws[h], *ms[h], *vs[h], mn[h], vn[h], q);
       mn[h].store(tm + h * V::size());
-      (vn[h] / V(c.bc2)).store(tq + h * V::size());
+      q.store(tq + h * V::size());
     }
     store2<S, opmath_t>(m, mn[0], mn[1]);
     store2<S, opmath_t>(v, vn[0], vn[1]);
   }
 
-  // Pass 2 (one block), after tq holds sqrt(v'/bc2): the update, the weights and the EMA.
+  // Pass 2 (one block), after tq holds the sqrt (when the rule needs it): the update, the weights
+  // and the EMA.
   static inline void pass2(const AdamScalars<opmath_t>& c, P* p, W* w, S* s, const opmath_t* tm,
                            const opmath_t* tq) {
     V w0, w1, s0, s1;
@@ -74,11 +134,7 @@ struct AdamKernel {
     const V* ws[2] = {&w0, &w1};
     const V* ss[2] = {&s0, &s1};
     for (int h = 0; h < 2; ++h) {
-      const V mn = V::loadu(tm + h * V::size());
-      const V denom = V::loadu(tq + h * V::size()) + V(c.eps);
-      V u = (mn / V(c.bc1)) / denom;
-      if (c.decoupled_decay) u = u + *ws[h] * V(c.wd);
-      wn[h] = *ws[h] - u * V(c.lr);
+      wn[h] = Rule::update(c, *ws[h], V::loadu(tm + h * V::size()), V::loadu(tq + h * V::size()));
       if constexpr (EMA) sn[h] = *ss[h] * V(c.ema) + wn[h] * V(c.ome);
     }
     if constexpr (EMA) store2<S, opmath_t>(s, sn[0], sn[1]);
@@ -156,10 +212,12 @@ struct AdamKernel {
 
   // A run of chunks (one thread's share). Elements are packed into tiles of T (several small
   // chunks can share one tile): pass 1 of every segment, ONE sqrt call over the tile (the same
-  // sqrt routine torch's reference uses), then pass 2. A partial block runs the same vector code
+  // sqrt routine torch's reference uses; skipped when the rule needs none, e.g. an un-rectified
+  // RAdam step), then pass 2. A partial block runs the same vector code
   // on zero-padded copies, so every element gets identical bits wherever it sits.
   static void run(const Chunk* chunks, int64_t nchunks, const RowPtrs* rows, const void* scalars) {
     const auto& c = *static_cast<const AdamScalars<opmath_t>*>(scalars);
+    const bool sqrt_needed = Rule::needs_sqrt(c);
     alignas(64) opmath_t tm[T];
     alignas(64) opmath_t tq[T];
     Segment segs[T / B];
@@ -167,7 +225,7 @@ struct AdamKernel {
     int64_t fill = 0;
     auto flush = [&]() {
       if (fill == 0) return;
-      tile_sqrt(tq, fill);
+      if (sqrt_needed) tile_sqrt(tq, fill);
       for (int64_t k = 0; k < nseg; ++k) {
         seg_pass2(c, *segs[k].row, segs[k].start, segs[k].len, tm + segs[k].slot,
                   tq + segs[k].slot);
@@ -207,33 +265,45 @@ struct AdamKernel {
 
 using KernelFn = void (*)(const Chunk*, int64_t, const RowPtrs*, const void*);
 
-template <bool EMA, bool MASTER, typename P>
+template <typename Rule, bool EMA, bool MASTER, typename P>
 KernelFn select_grad(c10::ScalarType gt) {
   switch (gt) {
-    case c10::kFloat: return &AdamKernel<float, P, float, MASTER, EMA>::run;
-    case c10::kHalf: return &AdamKernel<float, P, c10::Half, MASTER, EMA>::run;
-    case c10::kBFloat16: return &AdamKernel<float, P, c10::BFloat16, MASTER, EMA>::run;
+    case c10::kFloat: return &AdamKernel<float, P, float, MASTER, EMA, Rule>::run;
+    case c10::kHalf: return &AdamKernel<float, P, c10::Half, MASTER, EMA, Rule>::run;
+    case c10::kBFloat16: return &AdamKernel<float, P, c10::BFloat16, MASTER, EMA, Rule>::run;
     default: return nullptr;
   }
 }
 
-template <bool EMA>
+template <typename Rule, bool EMA>
 KernelFn select_kernel(c10::ScalarType pt, c10::ScalarType gt, bool master) {
   if (pt == c10::kDouble) {
-    return (!master && gt == c10::kDouble) ? &AdamKernel<double, double, double, false, EMA>::run
-                                          : nullptr;
+    return (!master && gt == c10::kDouble)
+               ? &AdamKernel<double, double, double, false, EMA, Rule>::run
+               : nullptr;
   }
   switch (pt) {
     case c10::kFloat:
-      return master ? select_grad<EMA, true, float>(gt) : select_grad<EMA, false, float>(gt);
+      return master ? select_grad<Rule, EMA, true, float>(gt)
+                    : select_grad<Rule, EMA, false, float>(gt);
     case c10::kHalf:
-      return master ? select_grad<EMA, true, c10::Half>(gt)
-                    : select_grad<EMA, false, c10::Half>(gt);
+      return master ? select_grad<Rule, EMA, true, c10::Half>(gt)
+                    : select_grad<Rule, EMA, false, c10::Half>(gt);
     case c10::kBFloat16:
-      return master ? select_grad<EMA, true, c10::BFloat16>(gt)
-                    : select_grad<EMA, false, c10::BFloat16>(gt);
+      return master ? select_grad<Rule, EMA, true, c10::BFloat16>(gt)
+                    : select_grad<Rule, EMA, false, c10::BFloat16>(gt);
     default: return nullptr;
   }
+}
+
+KernelFn select_rule_kernel(UpdateRule rule, bool has_ema, c10::ScalarType pt,
+                            c10::ScalarType gt, bool master) {
+  if (rule == UpdateRule::kRAdam) {
+    return has_ema ? select_kernel<RAdamRule, true>(pt, gt, master)
+                   : select_kernel<RAdamRule, false>(pt, gt, master);
+  }
+  return has_ema ? select_kernel<AdamRule, true>(pt, gt, master)
+                 : select_kernel<AdamRule, false>(pt, gt, master);
 }
 
 template <typename opmath_t>
@@ -258,6 +328,35 @@ AdamScalars<opmath_t> make_scalars(const AdamHyper& h, bool has_ema) {
   c.maximize = h.maximize;
   c.l2_decay = h.mode == 0 && h.weight_decay != 0.0;
   c.decoupled_decay = h.mode == 1 && h.weight_decay != 0.0;
+  c.dec = c.w = c.w1 = c.sbc2 = c.rect = opmath_t(0);
+  c.small = c.rectified = false;
+  if (h.rule == UpdateRule::kRAdam) {
+    // reference.radam_scalars(): torch.optim.RAdam's expressions in double (t a float, `x ** 0.5`
+    // is pow(x, 0.5), which need not round like sqrt; the volatile keeps it a pow call).
+    static volatile double kHalf = 0.5;
+    const double half = kHalf;
+    const double t = static_cast<double>(h.step);
+    bc1 = 1.0 - std::pow(h.beta1, t);
+    bc2 = 1.0 - std::pow(h.beta2, t);
+    const double rho_inf = 2.0 / (1.0 - h.beta2) - 1.0;
+    const double rho_t = rho_inf - 2.0 * t * std::pow(h.beta2, t) / bc2;
+    c.rectified = rho_t > 5.0;
+    if (c.rectified) {
+      const double rect = std::pow(
+          (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t),
+          half);
+      c.rect = static_cast<opmath_t>(rect);
+      c.sbc2 = static_cast<opmath_t>(std::pow(bc2, half));
+    }
+    c.bc1 = static_cast<opmath_t>(bc1);
+    c.bc2 = static_cast<opmath_t>(bc2);
+    // m.lerp_(g, w): torch's lerp picks its formula on |w| < 0.5 (w in opmath); w1 = 1 - w is an
+    // opmath subtraction.
+    c.w = static_cast<opmath_t>(1.0 - h.beta1);
+    c.small = std::abs(c.w) < opmath_t(0.5);
+    c.w1 = opmath_t(1) - c.w;
+    c.dec = static_cast<opmath_t>(1.0 - h.lr * h.weight_decay);
+  }
   c.has_scale = false;
   c.inv_scale = opmath_t(1);
   if (h.grad_scale.has_value() && h.grad_scale->defined()) {
@@ -371,8 +470,7 @@ void run_adam_bucket(AdamBucket& bucket, bool has_ema, bool has_master, int64_t 
   if (noop_is_set(noop)) return;
   const auto pt = bucket.pt;
   const auto gt = bucket.gt;
-  KernelFn fn = has_ema ? select_kernel<true>(pt, gt, has_master)
-                        : select_kernel<false>(pt, gt, has_master);
+  KernelFn fn = select_rule_kernel(h.rule, has_ema, pt, gt, has_master);
   TORCH_CHECK_TYPE(fn != nullptr, "multi_tensor: unsupported dtype combination params=",
                    dtype_name(pt), " grads=", dtype_name(gt));
   const bool fp64 = pt == c10::kDouble;
@@ -434,14 +532,17 @@ bool is_grad_dtype(c10::ScalarType t) {
   return t == c10::kHalf || t == c10::kBFloat16 || t == c10::kFloat;
 }
 
-std::string forms_str(bool has_ema) {
+std::string forms_str(UpdateRule rule, bool has_ema) {
   auto join = [](const char** names, int n) {
     std::string s = "[";
     for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::string(names[i]);
     return s + "]";
   };
-  return has_ema ? join(kEmaNames5, 5) + " or " + join(kEmaNames6, 6)
-                 : join(kAdamNames4, 4) + " or " + join(kAdamNames5, 5);
+  std::string forms = has_ema ? join(kEmaNames5, 5) + " or " + join(kEmaNames6, 6)
+                              : join(kAdamNames4, 4) + " or " + join(kAdamNames5, 5);
+  if (rule == UpdateRule::kRAdam)
+    forms += has_ema ? " (ema_decay is set)" : " (ema_decay is None)";
+  return forms;
 }
 
 // check_list_dtype(): one dtype per list, from the allowed set.
@@ -464,16 +565,18 @@ bool only_fp64(c10::ScalarType t) { return t == c10::kDouble; }
 
 }  // namespace
 
-std::string adam_op_name(bool has_ema) {
+std::string family_op_name(UpdateRule rule, bool has_ema) {
+  if (rule == UpdateRule::kRAdam) return "multi_tensor_radam";
   return has_ema ? "multi_tensor_fused_ema_adamw" : "multi_tensor_adam";
 }
 
-AdamForm validate_adam_family(bool has_ema, const std::vector<PyTensorList*>& lists) {
-  const std::string op = adam_op_name(has_ema);
+AdamForm validate_adam_family(UpdateRule rule, bool has_ema,
+                              const std::vector<PyTensorList*>& lists) {
+  const std::string op = family_op_name(rule, has_ema);
   const size_t nl = lists.size();
   const size_t base = has_ema ? 5 : 4;
   TORCH_CHECK_VALUE(nl == base || nl == base + 1, op, ": tensor_lists must be ",
-                    forms_str(has_ema), "; got ", nl, " lists");
+                    forms_str(rule, has_ema), "; got ", nl, " lists");
   const bool has_master = nl == base + 1;
   const char** names = has_ema ? (has_master ? kEmaNames6 : kEmaNames5)
                                : (has_master ? kAdamNames5 : kAdamNames4);
@@ -562,10 +665,10 @@ void check_scalars(const std::string& op, int64_t chunk_size, const AdamHyper& h
 
 void adam_family_op(bool has_ema, int64_t chunk_size, const std::optional<at::Tensor>& noop,
                     py::handle tensor_lists, AdamHyper& h, py::handle step) {
-  const std::string op = adam_op_name(has_ema);
+  const std::string op = family_op_name(h.rule, has_ema);
   PyObject* tl = tensor_lists.ptr();
   if (!PyList_Check(tl) && !PyTuple_Check(tl)) {
-    TORCH_CHECK_VALUE(false, op, ": tensor_lists must be ", forms_str(has_ema), "; got ",
+    TORCH_CHECK_VALUE(false, op, ": tensor_lists must be ", forms_str(h.rule, has_ema), "; got ",
                       Py_TYPE(tl)->tp_name);
   }
   const Py_ssize_t nl = PySequence_Fast_GET_SIZE(tl);
@@ -579,7 +682,7 @@ void adam_family_op(bool has_ema, int64_t chunk_size, const std::optional<at::Te
     }
   }
   for (auto& s : storage) lists.push_back(&s);
-  const AdamForm form = validate_adam_family(has_ema, lists);
+  const AdamForm form = validate_adam_family(h.rule, has_ema, lists);
   h.step = parse_step(op, step);
   check_scalars(op, chunk_size, h);
   if (form.rows == 0) return;
@@ -594,13 +697,15 @@ void adam_family_op(bool has_ema, int64_t chunk_size, const std::optional<at::Te
 
 PreparedAdamFamily::PreparedAdamFamily(const std::string& op_name, py::handle state_lists,
                                        int64_t chunk_size)
-    : op_name_(op_name), msg_op_(adam_op_name(op_name == "fused_ema_adamw")),
-      chunk_size_(chunk_size) {
-  TORCH_CHECK_VALUE(op_name == "fused_ema_adamw" || op_name == "adam",
-                    "PreparedAdamFamily: op must be 'fused_ema_adamw' or 'adam', got '", op_name,
-                    "'");
+    : op_name_(op_name), chunk_size_(chunk_size) {
+  TORCH_CHECK_VALUE(op_name == "fused_ema_adamw" || op_name == "adam" || op_name == "radam",
+                    "PreparedAdamFamily: op must be 'fused_ema_adamw', 'adam' or 'radam', got '",
+                    op_name, "'");
+  rule_ = op_name == "radam" ? UpdateRule::kRAdam : UpdateRule::kAdam;
+  form_fixed_ = rule_ == UpdateRule::kAdam;
   has_ema_ = op_name == "fused_ema_adamw";
-  const std::string op = adam_op_name(has_ema_);
+  msg_op_ = family_op_name(rule_, has_ema_);
+  const std::string& op = msg_op_;
   TORCH_CHECK_VALUE(chunk_size >= 1, op, ": chunk_size must be a positive integer, got ",
                     chunk_size);
   PyObject* sl = state_lists.ptr();
@@ -629,7 +734,7 @@ AdamForm PreparedAdamFamily::full_validate(const PyTensorList& grads) {
     for (size_t i = 0; i < state_[k].size(); ++i) st[k].items[i] = &state_[k][i];
     lists.push_back(&st[k]);
   }
-  AdamForm form = validate_adam_family(has_ema_, lists);
+  AdamForm form = validate_adam_family(rule_, has_ema_, lists);
   has_master_ = form.has_master;
   if (form.rows) {
     param_dtype_ = form.param_dtype;
@@ -638,9 +743,26 @@ AdamForm PreparedAdamFamily::full_validate(const PyTensorList& grads) {
   return form;
 }
 
+// radam before its first call: the list form of the state lists. Three lists: no EMA; five: EMA
+// and masters; four: emas when the fourth list has the params' dtype (the EMA form requires it),
+// else masters (fp32 masters of fp16/bf16 params). For fp32 params both forms check the same.
+bool PreparedAdamFamily::infer_ema() const {
+  if (state_.size() == 5) return true;
+  if (state_.size() != 4 || state_[0].empty() || state_[3].empty()) return false;
+  return state_[3][0].scalar_type() == state_[0][0].scalar_type();
+}
+
+// radam: a call's ema_decay fixes the form; a change of form validates the lists again.
+void PreparedAdamFamily::set_form(bool has_ema) {
+  if (form_fixed_ || has_ema == has_ema_) return;
+  has_ema_ = has_ema;
+  validated_ = false;
+}
+
 void PreparedAdamFamily::validate(py::handle grads) {
   PyTensorList g;
-  unpack_list(grads, g, adam_op_name(has_ema_) + ": grads");
+  unpack_list(grads, g, msg_op_ + ": grads");
+  if (!form_fixed_ && !validated_) has_ema_ = infer_ema();
   full_validate(g);
 }
 
@@ -715,8 +837,10 @@ bool PreparedAdamFamily::gather(const PyTensorList& grads, AdamBucket& bucket) c
 }
 
 void PreparedAdamFamily::call(py::handle grads, const std::optional<at::Tensor>& noop, AdamHyper& h,
-                              py::handle step) {
+                              py::handle step, bool has_ema) {
   const std::string& op = msg_op_;
+  h.rule = rule_;
+  set_form(has_ema);
   PyTensorList g;
   unpack_list(grads, g, op + ": grads");
   AdamBucket bucket;
@@ -791,10 +915,30 @@ void bind_adam_family(py::module_& m) {
       py::arg("grad_scale") = py::none(), py::arg("maximize") = false,
       py::arg("check_finite") = false,
       "multi_tensor_adam: [grads, params, exp_avgs, exp_avg_sqs(, masters)], in place.");
+  m.def(
+      "radam",
+      [](int64_t chunk_size, const opt_t& noop, py::handle tensor_lists, double lr, double beta1,
+         double beta2, double eps, py::handle step, double weight_decay,
+         bool decoupled_weight_decay, std::optional<double> ema_decay, const opt_t& grad_scale,
+         bool maximize, bool check_finite) {
+        AdamHyper h{lr, ema_decay.value_or(0.0), beta1, beta2, eps, 0,
+                    decoupled_weight_decay ? 1 : 0, true, weight_decay, grad_scale, maximize,
+                    check_finite, UpdateRule::kRAdam};
+        adam_family_op(ema_decay.has_value(), chunk_size, noop, tensor_lists, h, step);
+      },
+      py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("lr"),
+      py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"),
+      py::arg("weight_decay"), py::arg("decoupled_weight_decay"),
+      py::arg("ema_decay") = py::none(), py::kw_only(), py::arg("grad_scale") = py::none(),
+      py::arg("maximize") = false, py::arg("check_finite") = false,
+      "multi_tensor_radam: torch.optim.RAdam (+ EMA). ema_decay None: [grads, params, exp_avgs, "
+      "exp_avg_sqs(, masters)]; a float: [grads, params, exp_avgs, exp_avg_sqs, emas(, masters)]. "
+      "In place; bitwise equal to the reference backend.");
 
   py::class_<PreparedAdamFamily>(m, "PreparedAdamFamily",
-                                 "An adam-family op bound to one bucket's state lists "
-                                 "(params, exp_avgs, exp_avg_sqs[, emas][, masters]).")
+                                 "An adam-family op (fused_ema_adamw, adam, radam) bound to one "
+                                 "bucket's state lists (params, exp_avgs, exp_avg_sqs[, emas]"
+                                 "[, masters]). radam: each call's ema_decay picks the form.")
       .def(py::init<const std::string&, py::handle, int64_t>(), py::arg("op"),
            py::arg("state_lists"), py::arg("chunk_size"))
       .def("validate", &PreparedAdamFamily::validate, py::arg("grads"))
@@ -806,13 +950,34 @@ void bind_adam_family(py::module_& m) {
           [](PreparedAdamFamily& self, py::handle grads, const opt_t& noop, py::args args,
              const opt_t& grad_scale, bool maximize, bool check_finite) {
             // Positional scalars in the op's order after tensor_lists.
+            AdamHyper h;
+            h.grad_scale = grad_scale;
+            h.maximize = maximize;
+            h.check_finite = check_finite;
+            if (self.rule() == UpdateRule::kRAdam) {
+              // lr, beta1, beta2, eps, step, weight_decay, decoupled_weight_decay(, ema_decay)
+              TORCH_CHECK_TYPE(args.size() == 7 || args.size() == 8,
+                               "multi_tensor_radam: prepared call takes 7 or 8 scalar arguments "
+                               "after (grads, noop_flag), got ", args.size());
+              h.lr = args[0].cast<double>();
+              h.beta1 = args[1].cast<double>();
+              h.beta2 = args[2].cast<double>();
+              h.eps = args[3].cast<double>();
+              py::handle step = args[4];
+              h.weight_decay = args[5].cast<double>();
+              h.mode = py::bool_(args[6]).cast<bool>() ? 1 : 0;
+              h.bias_correction = true;
+              const bool ema = args.size() == 8 && !args[7].is_none();
+              h.ema_decay = ema ? args[7].cast<double>() : 0.0;
+              self.call(grads, noop, h, step, ema);
+              return;
+            }
             const bool ema = self.has_ema();
             const size_t want = ema ? 9 : 8;
-            TORCH_CHECK_TYPE(args.size() == want, adam_op_name(ema), ": prepared call takes ",
-                             want, " scalar arguments after (grads, noop_flag), got ",
-                             args.size());
+            TORCH_CHECK_TYPE(args.size() == want, family_op_name(UpdateRule::kAdam, ema),
+                             ": prepared call takes ", want,
+                             " scalar arguments after (grads, noop_flag), got ", args.size());
             size_t k = 0;
-            AdamHyper h;
             h.lr = args[k++].cast<double>();
             h.ema_decay = ema ? args[k++].cast<double>() : 0.0;
             h.beta1 = args[k++].cast<double>();
@@ -822,10 +987,7 @@ void bind_adam_family(py::module_& m) {
             h.mode = args[k++].cast<int64_t>();
             h.bias_correction = py::bool_(args[k++]).cast<bool>();
             h.weight_decay = args[k++].cast<double>();
-            h.grad_scale = grad_scale;
-            h.maximize = maximize;
-            h.check_finite = check_finite;
-            self.call(grads, noop, h, step);
+            self.call(grads, noop, h, step, ema);
           },
           py::arg("grads"), py::arg("noop_flag"),
           py::arg("grad_scale") = py::none(), py::arg("maximize") = false,

@@ -92,7 +92,9 @@ def _make_backend(mod) -> Backend:
         return out
 
     def prepare(op, state_lists, chunk_size):
-        if op in ("fused_ema_adamw", "adam"):
+        # radam: each call's ema_decay picks the list form, as in the op form (see
+        # PreparedAdamFamily in csrc/cpu/adam_family.h)
+        if op in ("fused_ema_adamw", "adam", "radam"):
             return mod.PreparedAdamFamily(op, state_lists, chunk_size)
         impl = BACKEND.ops[op] if BACKEND is not None else getattr(mod, op)
         return PreparedOp(op, impl, lambda lists: None, state_lists, chunk_size)
@@ -101,8 +103,8 @@ def _make_backend(mod) -> Backend:
         name="native_cpu",
         device_types=("cpu",),
         priority=10,
-        ops={"fused_ema_adamw": mod.fused_ema_adamw, "adam": mod.adam, "scale": scale,
-             "l2norm": l2norm},
+        ops={"fused_ema_adamw": mod.fused_ema_adamw, "adam": mod.adam, "radam": mod.radam,
+             "scale": scale, "l2norm": l2norm},
         prepare=prepare,
         description=f"C++ {mod.capability} SIMD kernels + at::parallel_for (multi_tensor.{mod.__name__.rsplit('.', 1)[-1]})",
     )
