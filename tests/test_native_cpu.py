@@ -1,6 +1,6 @@
 """The native CPU backend (csrc/cpu, multi_tensor/backends/native_cpu.py) against the reference.
 
-Adam-family ops and scale must be BITWISE equal to the reference backend (torch.equal) for every
+Adam-family ops (fused_ema_adamw, adam, radam) and scale must be BITWISE equal to the reference backend (torch.equal) for every
 dtype combination, hyperparameter switch, size, layout, chunk size and thread count; l2norm is
 compared with a tolerance (it accumulates in fp64 in fixed blocks). Native-specific tests skip
 when the extension is not built.
@@ -114,7 +114,7 @@ def run_reference(lists, h, chunk_size=2048 * 32, noop=None, **kw):
 # ------------------------------------------------------------------------------------------------
 
 def test_native_backend_registered_for_cpu():
-    for op in ("fused_ema_adamw", "adam", "scale", "l2norm"):
+    for op in ("fused_ema_adamw", "adam", "radam", "scale", "l2norm"):
         assert backends.backend_for(op, "cpu").name == "native_cpu"
     assert native_cpu.capability in ("AVX512", "AVX2", "DEFAULT")
     assert NATIVE.capability == native_cpu.capability
@@ -582,3 +582,349 @@ def test_prepared_adam():
     prep(a[0], torch.zeros(1, dtype=torch.int32), *args)
     NATIVE.adam(2048, torch.zeros(1, dtype=torch.int32), b, *args)
     assert_bitwise(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# radam: bitwise equal to the reference, every list form
+# ------------------------------------------------------------------------------------------------
+
+# (param dtype, grad dtype, master?, ema?): the four list forms x the adam-family dtype combos
+RADAM_COMBOS = [c + (e,) for c in COMBOS for e in (False, True)]
+
+
+def _rids(c):
+    return _ids(c[:3]) + ("-ema" if c[3] else "")
+
+
+def radam_args(step, wd=0.01, decoupled=False, ema=None, lr=1e-3, beta1=0.9, beta2=0.999,
+               eps=1e-8):
+    return (lr, beta1, beta2, eps, step, wd, decoupled, ema)
+
+
+def run_radam_native(lists, args, chunk_size=2048 * 32, noop=None, **kw):
+    noop = torch.zeros(1, dtype=torch.int32) if noop is None else noop
+    NATIVE.radam(chunk_size, noop, lists, *args, **kw)
+    return noop
+
+
+def run_radam_reference(lists, args, chunk_size=2048 * 32, noop=None, **kw):
+    noop = torch.zeros(1, dtype=torch.int32) if noop is None else noop
+    with backends.forced_backend("reference"):
+        assert backends.backend_for("radam", "cpu").name == "reference"
+        multi_tensor.multi_tensor_radam(chunk_size, noop, lists, *args, **kw)
+    return noop
+
+
+def test_radam_rectification_boundary():
+    """With beta2=0.999, steps 1..5 are un-rectified (rho_t <= 5) and step 6 is rectified."""
+    rect = [reference.radam_scalars(0.9, 0.999, t)[3] for t in range(1, 8)]
+    assert all(r is None for r in rect[:5]) and all(r is not None for r in rect[5:])
+
+
+@pytest.mark.parametrize("combo", RADAM_COMBOS, ids=_rids)
+def test_radam_bitwise_vs_reference_all_switches(combo):
+    """Every list form and dtype combo; decoupled on/off, wd 0/>0, maximize, grad_scale; steps
+    1..5 (un-rectified), 6, 7 and 1000 (rectified)."""
+    p_dt, g_dt, master, has_ema = combo
+    ema = 0.999 if has_ema else None
+    switches = itertools.product((False, True), (0.0, 0.05), (False, True), (False, True))
+    for decoupled, wd, maximize, scaled in switches:
+        a = make_lists(p_dt, g_dt, master, ema=has_ema, seed=decoupled + 2 * maximize)
+        b = clone(a)
+        for step in (1, 2, 3, 4, 5, 6, 7, 1000):
+            args = radam_args(step, wd=wd, decoupled=decoupled, ema=ema)
+            kw = dict(maximize=maximize)
+            if scaled:
+                kw["grad_scale"] = torch.tensor([512.0 * step])
+            run_radam_native(a, args, **kw)
+            run_radam_reference(b, args, **kw)
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("beta1,beta2", [(0.0, 0.9), (0.3, 0.99), (0.5, 0.999), (0.9, 0.0),
+                                         (0.99, 0.95)])
+@pytest.mark.parametrize("combo", [(F32, F32, False, True), (BF16, F16, True, False),
+                                   (F64, F64, False, True)], ids=_rids)
+def test_radam_betas_both_lerp_branches(combo, beta1, beta2):
+    """1 - beta1 below and at/above 0.5 (torch's two lerp formulas); beta2=0 never rectifies."""
+    p_dt, g_dt, master, has_ema = combo
+    a = make_lists(p_dt, g_dt, master, ema=has_ema, seed=13)
+    b = clone(a)
+    for step in (1, 2, 3, 8, 30):
+        args = radam_args(step, wd=0.1, decoupled=step % 2 == 0, ema=0.9 if has_ema else None,
+                          beta1=beta1, beta2=beta2, lr=0.01)
+        run_radam_native(a, args)
+        run_radam_reference(b, args)
+    assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("combo", [(F32, F32, False, True), (BF16, BF16, True, True),
+                                   (F16, F32, False, False), (F16, BF16, True, False),
+                                   (F64, F64, False, True)], ids=_rids)
+def test_radam_large_tensor_chunk_sizes_threads(combo):
+    """Sizes 1, 17, 65537 (crosses the inline threshold); chunk sizes 1/7/65536; 1 and 2 threads;
+    an un-rectified and a rectified step."""
+    p_dt, g_dt, master, has_ema = combo
+    ema = 0.99 if has_ema else None
+    base = make_lists(p_dt, g_dt, master, ema=has_ema, shapes=[(65537,), (17,), (1,)], seed=7)
+    steps = (3, 6)
+    expected = clone(base)
+    for step in steps:
+        run_radam_reference(expected, radam_args(step, decoupled=True, ema=ema),
+                            grad_scale=torch.tensor(8.0))
+    threads = torch.get_num_threads()
+    try:
+        for nthreads, chunk in itertools.product((1, 2), (1, 7, 65536)):
+            if chunk == 1 and (nthreads == 1 or p_dt != F32):
+                continue  # 65537 one-element chunks: once is enough
+            torch.set_num_threads(nthreads)
+            got = clone(base)
+            for step in steps:
+                run_radam_native(got, radam_args(step, decoupled=True, ema=ema), chunk_size=chunk,
+                                 grad_scale=torch.tensor(8.0))
+            assert_bitwise(got, expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("master,has_ema", [(False, False), (False, True), (True, False),
+                                            (True, True)])
+def test_radam_non_contiguous_tensors(master, has_ema):
+    p_dt = BF16 if master else F32
+    base = make_lists(p_dt, F16, master, ema=has_ema, shapes=[(12, 9), (8, 6), (5, 7)], seed=5)
+
+    def views(lists):
+        out = []
+        for li, ts in enumerate(lists):
+            row = []
+            for i, t in enumerate(ts):
+                if i == 0:
+                    row.append(t)
+                elif i == 1:
+                    row.append(t.t().contiguous().t())  # all transposed alike
+                elif li in (0, 2, len(lists) - 1):
+                    big = torch.zeros(t.shape[0], t.shape[1] * 2, dtype=t.dtype)
+                    big[:, ::2] = t
+                    row.append(big[:, ::2])             # strided slices
+                else:
+                    row.append(t)
+            out.append(row)
+        return out
+
+    ema = 0.9 if has_ema else None
+    a, b = views(clone(base)), views(clone(base))
+    for step in (2, 9):
+        run_radam_native(a, radam_args(step, ema=ema))
+        run_radam_reference(b, radam_args(step, ema=ema))
+    assert_bitwise(a, b)
+    c = clone(base)
+    for step in (2, 9):
+        run_radam_reference(c, radam_args(step, ema=ema))
+    assert_bitwise([[t.contiguous() for t in ts] for ts in a], c)
+
+
+def test_radam_front_end_resolves_to_native_and_matches():
+    a = make_lists(F32, BF16, False, seed=3)
+    b = clone(a)
+    assert backends.backend_for("radam", "cpu").name == "native_cpu"
+    multi_tensor.multi_tensor_applier(multi_tensor.multi_tensor_radam, torch.zeros(1, dtype=torch.int32),
+                                      a, *radam_args(7, ema=0.99))
+    run_radam_reference(b, radam_args(7, ema=0.99))
+    assert_bitwise(a, b)
+    # empty lists and empty tensors
+    NATIVE.radam(2048, torch.zeros(1, dtype=torch.int32), [[], [], [], []], *radam_args(1))
+    lists = make_lists(F32, F32, False, shapes=[(0,), (0, 3)], ema=False)
+    before = clone(lists)
+    run_radam_native(lists, radam_args(6))
+    assert_bitwise(lists, before)
+
+
+@pytest.mark.parametrize("combo", [(F32, F32, False, True), (BF16, BF16, True, False),
+                                   (F64, F64, False, False)], ids=_rids)
+def test_radam_noop_and_check_finite(combo):
+    ema = 0.99 if combo[3] else None
+    lists = make_lists(*combo[:3], ema=combo[3], shapes=[(40000,), (17,)], seed=4)
+    before = clone(lists)
+    noop = torch.ones(1, dtype=torch.int32)
+    run_radam_native(lists, radam_args(6, ema=ema), noop=noop, check_finite=True)
+    assert_bitwise(lists, before)
+    lists[0][0][39999] = float("nan")
+    noop = run_radam_native(lists, radam_args(6, ema=ema), check_finite=True)
+    assert noop.item() == 1
+    assert_bitwise(lists[1:], before[1:])
+    lists[0][0][39999] = 0
+    a, b = clone(lists), clone(lists)
+    assert run_radam_native(a, radam_args(6, ema=ema), check_finite=True).item() == 0
+    run_radam_reference(b, radam_args(6, ema=ema), check_finite=True)
+    assert_bitwise(a, b)
+
+
+def _radam_bad_cases():
+    """(name, ema_decay, make lists, mutate) -> mutate returns (exception, message)."""
+    def ema_base():
+        return make_lists(F32, F32, False, shapes=[(3, 4), (5,), (4, 3), (2,)])
+
+    def master_base():
+        return make_lists(F16, F32, True, shapes=[(3, 4), (5,), (4, 3), (2,)], ema=False)
+
+    generic = {name: mutate for name, _, mutate in _bad_cases()}
+    cases = [(name, 0.9, ema_base, generic[name])
+             for name in ("shape", "length", "not_tensor", "sparse", "integer", "mixed",
+                          "state_dtype", "grad_fp64", "device", "master_fp64")]
+
+    def count_ema(L):
+        L.pop()
+        return ValueError, r"tensor_lists must be .*\(ema_decay is set\); got 4 lists"
+
+    def six_without_ema(L):
+        L.append([t.clone() for t in L[1]])
+        return ValueError, r"\(ema_decay is None\); got 6 lists"
+
+    def fifth_is_masters_without_ema(L):
+        # fp16 params, fp16 fifth list: fine as emas, but ema_decay=None makes it masters
+        for i in range(4):
+            L[4][i] = L[4][i].half()
+        return TypeError, "masters are torch.float16 but must be torch.float32"
+
+    def fifth_is_emas_with_ema(L):
+        # fp32 state of fp16 params: fine with masters, but an ema_decay makes the fifth emas
+        return TypeError, "exp_avgs are torch.float32 but must be torch.float16"
+
+    cases += [("count_ema", 0.9, ema_base, count_ema),
+              ("six_without_ema", None, master_base, six_without_ema),
+              ("fifth_is_masters_without_ema", None, master_base, fifth_is_masters_without_ema),
+              ("fifth_is_emas_with_ema", 0.9, master_base, fifth_is_emas_with_ema)]
+    return cases
+
+
+@pytest.mark.parametrize("name,ema,base,mutate", _radam_bad_cases(),
+                         ids=[c[0] for c in _radam_bad_cases()])
+def test_radam_validation_errors_raise_before_any_change(name, ema, base, mutate):
+    lists = base()
+    exc, msg = mutate(lists)
+
+    def cpu_dense(t):
+        return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
+
+    snapshot = [[t.clone() if cpu_dense(t) else t for t in ts] for ts in lists]
+    args = radam_args(6, wd=0.1, ema=ema)
+    with pytest.raises(exc, match=msg):
+        NATIVE.radam(2048, torch.zeros(1, dtype=torch.int32), lists, *args)
+    with pytest.raises(exc):
+        multi_tensor.multi_tensor_radam(2048, torch.zeros(1, dtype=torch.int32), lists, *args)
+    with backends.forced_backend("reference"), pytest.raises(exc):
+        multi_tensor.multi_tensor_radam(2048, torch.zeros(1, dtype=torch.int32), lists, *args)
+    for ts, ss in zip(lists, snapshot):
+        for t, s_ in zip(ts, ss):
+            if cpu_dense(t):
+                assert torch.equal(t, s_)
+
+
+def test_radam_bad_scalars():
+    lists = make_lists(F32, F32, False, ema=False)
+    with pytest.raises(ValueError, match="multi_tensor_radam: step must be a positive integer"):
+        NATIVE.radam(2048, torch.zeros(1, dtype=torch.int32), lists, *radam_args(0))
+    with pytest.raises(ValueError, match="chunk_size"):
+        NATIVE.radam(0, torch.zeros(1, dtype=torch.int32), lists, *radam_args(1))
+    a, b = clone(lists), clone(lists)
+    NATIVE.radam(2048, torch.zeros(1, dtype=torch.int32), a, *radam_args(torch.tensor([7.0])))
+    NATIVE.radam(2048, torch.zeros(1, dtype=torch.int32), b, *radam_args(7))
+    assert_bitwise(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# radam: prepared form
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("combo", [(F32, F32, False, False), (F32, F32, False, True),
+                                   (BF16, F16, True, False), (F16, F32, True, True),
+                                   (F64, F64, False, True)], ids=_rids)
+def test_radam_prepared_equals_op_form(combo):
+    p_dt, g_dt, master, has_ema = combo
+    a = make_lists(p_dt, g_dt, master, ema=has_ema, seed=21)
+    b = clone(a)
+    prep = backends.prepare("radam", a[1:], 7, validator=None)
+    assert isinstance(prep, NATIVE.PreparedAdamFamily) and prep.op == "radam"
+    prep.validate(a[0])
+    for step in range(1, 9):
+        args = radam_args(step, wd=0.02, decoupled=step % 2 == 1,
+                          ema=(1.0 - 0.5 ** step) * 0.99 if has_ema else None)
+        gs = torch.tensor(2.0 ** step)
+        prep(a[0], torch.zeros(1, dtype=torch.int32), *args, grad_scale=gs, maximize=step == 3,
+             check_finite=True)
+        run_radam_native(b, args, chunk_size=7, grad_scale=gs, maximize=step == 3,
+                         check_finite=True)
+        assert_bitwise(a, b)
+    before = clone(a)
+    prep(a[0], torch.ones(1), *radam_args(9, ema=0.9 if has_ema else None))
+    assert_bitwise(a, before)
+    g = [t.clone() for t in a[0]]
+    g[1][3] = float("inf")
+    noop = torch.zeros(1, dtype=torch.int32)
+    prep(g, noop, *radam_args(9, ema=0.9 if has_ema else None), check_finite=True)
+    assert noop.item() == 1
+    assert_bitwise(a[1:], before[1:])
+    # a grad list that does not fit: the op's error, nothing modified
+    with pytest.raises(ValueError, match=r"multi_tensor_radam: .*params\[1\] has shape"):
+        prep([a[0][0], torch.zeros(99)] + a[0][2:], torch.zeros(1, dtype=torch.int32),
+             *radam_args(9, ema=0.9 if has_ema else None))
+    assert_bitwise(a, before)
+
+
+def test_radam_prepared_five_list_form_follows_ema_decay():
+    """[params, exp_avgs, exp_avg_sqs, X] with fp32 params: X is masters when ema_decay is None,
+    emas when it is a float, call by call, like the op form."""
+    a = make_lists(F32, F32, False, ema=True, seed=2)
+    b = clone(a)
+    prep = backends.prepare("radam", a[1:], 2048, validator=None)
+    prep.validate(a[0])
+    for step, ema in ((1, None), (2, 0.9), (6, 0.9), (7, None), (8, None), (9, 0.5)):
+        prep(a[0], torch.zeros(1, dtype=torch.int32), *radam_args(step, ema=ema))
+        run_radam_native(b, radam_args(step, ema=ema))
+        assert_bitwise(a, b)
+    # without the ema_decay argument: no EMA
+    prep(a[0], torch.zeros(1, dtype=torch.int32), *radam_args(10)[:7])
+    run_radam_native(b, radam_args(10))
+    assert_bitwise(a, b)
+    # fp16 params: validate() before any call picks the form the dtypes allow (fp16 state and
+    # emas, or fp32 state and masters); a call of the other form raises, changing nothing
+    for master, ok_ema in ((False, 0.9), (True, None)):
+        L = make_lists(F16, F32, master, ema=not master, seed=3)
+        prep = backends.prepare("radam", L[1:], 2048, validator=None)
+        prep.validate(L[0])
+        bad_ema = None if ok_ema is not None else 0.9
+        before = clone(L)
+        with pytest.raises(TypeError, match="exp_avgs are torch.float.. but must be"):
+            prep(L[0], torch.zeros(1, dtype=torch.int32), *radam_args(6, ema=bad_ema))
+        assert_bitwise(L, before)
+        M = clone(L)
+        prep(L[0], torch.zeros(1, dtype=torch.int32), *radam_args(6, ema=ok_ema))
+        run_radam_native(M, radam_args(6, ema=ok_ema))
+        assert_bitwise(L, M)
+    with pytest.raises(TypeError, match="7 or 8 scalar arguments"):
+        prep(L[0], torch.zeros(1, dtype=torch.int32), 1e-3, 0.9)
+
+
+@pytest.mark.parametrize("dtype,ema", [(F32, 0.999), (BF16, 0.999), (F16, None)])
+def test_fused_radam_native_equals_reference_backend(dtype, ema):
+    """FusedRAdam end to end (prepared buckets, masters, EMA) on native vs the reference backend."""
+    from fused_optim import FusedRAdam
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen).to(dtype) for s in [(17,), (4, 33), (1,), (300,)]]
+    grads = [[torch.randn(t.shape, generator=gen).to(dtype) for t in init] for _ in range(8)]
+    results = []
+    for name in ("native_cpu", "reference"):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = FusedRAdam(params, lr=1e-2, weight_decay=0.01, decoupled_weight_decay=dtype == F32,
+                         ema_decay=ema)
+        with backends.forced_backend(name):
+            for gs in grads:
+                for p, g in zip(params, gs):
+                    p.grad = g.clone()
+                opt.step()
+        state = [[p.detach() for p in params]]
+        for key in ("exp_avg", "exp_avg_sq", "ema", "master_param"):
+            if key in opt.state[params[0]]:
+                state.append([opt.state[p][key] for p in params])
+        results.append(state)
+    assert_bitwise(results[0], results[1])
