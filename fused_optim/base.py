@@ -263,6 +263,22 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         return flag
 
     # --- state dict ---------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict()``, with a step tensor of its own for every param.
+
+        Params that step together share one step tensor here; a saved dict must not carry that
+        sharing (a ``torch.optim`` optimizer loading it would advance the shared tensor once per
+        param), so each param's entry gets its own copy of ``step``. Everything else is returned
+        by reference, as torch does.
+        """
+        state_dict = super().state_dict()
+        state_dict["state"] = {
+            pid: ({**entry, "step": entry["step"].clone()}
+                  if isinstance(entry.get("step"), torch.Tensor) else entry)
+            for pid, entry in state_dict["state"].items()
+        }
+        return state_dict
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load state, keeping every saved state tensor's dtype.
 
