@@ -325,3 +325,29 @@ def test_grad_scaler_state_dict_resume(backend):
         assert_bitwise_equal(q, p.detach(), "param")
         for k, v in opt.state[p].items():
             assert_bitwise_equal(opt2.state[q][k], v, k)
+
+
+def test_plain_state_dict_has_one_step_tensor_per_param_and_torch_continues_from_it():
+    """Params stepping together share a step tensor inside the optimizer, never in a saved dict."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    opt = FusedEmaAdamW(params, lr=1e-2)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(5)
+        opt.step()
+    sd = opt.state_dict()
+    steps = [entry["step"] for entry in sd["state"].values()]
+    assert len({id(s) for s in steps}) == len(params)
+    assert all(s.item() == 3.0 for s in steps)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch_opt = torch.optim.AdamW(twins, lr=1e-2)
+    torch_opt.load_state_dict(torch.load(buf))
+    for p in twins:
+        p.grad = torch.randn(5)
+    torch_opt.step()
+    assert [torch_opt.state[p]["step"].item() for p in twins] == [4.0, 4.0, 4.0]
+    assert all(s.item() == 3.0 for s in (opt.state[p]["step"] for p in params))
