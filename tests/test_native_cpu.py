@@ -149,7 +149,10 @@ def test_aten_cpu_capability_selects_lower_isa_with_identical_bits():
         "import torch, sys; sys.path.insert(0, %r); import test_native_cpu as t;"
         "from multi_tensor.backends import native_cpu as n; print(n.capability);"
         "L = t.make_lists(torch.bfloat16, torch.float16, True, shapes=[(77,), (3, 40)]);"
-        "t.run_native(L, t.hp(mode=0)); torch.save(L, sys.argv[1] if len(sys.argv) > 1 else %r)"
+        "t.run_native(L, t.hp(mode=0));"
+        "R = t.make_lists(torch.float16, torch.bfloat16, True, shapes=[(77,), (3, 40)], ema=False);"
+        "t.run_radam_native(R, t.radam_args(6, decoupled=True));"
+        "torch.save([L, R], sys.argv[1] if len(sys.argv) > 1 else %r)"
     )
     results = {}
     for cap in ("avx2", "default"):
@@ -161,8 +164,11 @@ def test_aten_cpu_capability_selects_lower_isa_with_identical_bits():
         results[cap] = torch.load(path)
     L = make_lists(BF16, F16, True, shapes=[(77,), (3, 40)])
     run_native(L, hp(mode=0))
-    assert_bitwise(results["avx2"], L)
-    assert_bitwise(results["default"], L)
+    R = make_lists(F16, BF16, True, shapes=[(77,), (3, 40)], ema=False)
+    run_radam_native(R, radam_args(6, decoupled=True))
+    for cap in ("avx2", "default"):
+        assert_bitwise(results[cap][0], L)
+        assert_bitwise(results[cap][1], R)
 
 
 # ------------------------------------------------------------------------------------------------
