@@ -8,7 +8,7 @@ fetches a multi-GB CUDA build)::
     pip install --no-build-isolation --use-pep517 .     # regular install
 
 ``--no-build-isolation`` is required: the C++ extensions are built against the torch that is
-already installed in this environment. Build time (2 cores, gcc 12, ninja): about 75 s for all
+already installed in this environment. Build time (2 cores, gcc 12, ninja): about 90 s for all
 three ISA builds (one unity translation unit each, built concurrently).
 
 What gets built: the native CPU backend (``csrc/cpu``) compiled three times from the same sources

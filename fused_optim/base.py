@@ -203,20 +203,29 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                                        [grads[i] for i in with_grad])
         return [(b, b.grads()) for b in buckets]
 
-    def _collect_work(self):
-        """``[(group, bucket, grads)]`` for every bucket, all validated before any is run."""
-        for attempt in range(2):
-            work = [(group, bucket, grads)
-                    for group in self.param_groups
-                    for bucket, grads in self._plan_for(group)]
-            try:
-                for _, bucket, grads in work:
-                    bucket.prepared.validate(grads)
-                return work
-            except (TypeError, ValueError, RuntimeError):
-                if attempt:
-                    raise
-                self._plans.clear()  # grads may have changed dtype since the plan: plan again
+    def _update(self, grad_scale: Optional[torch.Tensor]) -> None:
+        """Plan, check and run every bucket; counts the buckets run in ``self._buckets_run``.
+
+        Every call checks its own bucket before it writes anything. With several buckets, all of
+        them are checked first, so a bad grad in one leaves every other bucket untouched too.
+        """
+        self._buckets_run = 0
+        work = [(group, bucket, grads)
+                for group in self.param_groups
+                for bucket, grads in self._plan_for(group)]
+        if len(work) > 1:
+            for _, bucket, grads in work:
+                bucket.prepared.validate(grads)
+        self._before_step(work)
+        for group, bucket, grads in work:
+            step = bucket.step + 1
+            scale = None if grad_scale is None else grad_scale.to(bucket.device)
+            bucket.prepared(grads, self._noop_flag(bucket.device), *self._op_args(group, step),
+                            grad_scale=scale, maximize=bool(group.get("maximize", False)))
+            bucket.step = step
+            bucket.step_tensor.fill_(step)
+            self._buckets_run += 1
+        self._after_step(work)
 
     # --- step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -235,16 +244,15 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         found_inf: Optional[torch.Tensor] = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf.item() != 0):
             return loss
-        work = self._collect_work()
-        self._before_step(work)
-        for group, bucket, grads in work:
-            step = bucket.step + 1
-            scale = None if grad_scale is None else grad_scale.to(bucket.device)
-            bucket.prepared(grads, self._noop_flag(bucket.device), *self._op_args(group, step),
-                            grad_scale=scale, maximize=bool(group.get("maximize", False)))
-            bucket.step = step
-            bucket.step_tensor.fill_(step)
-        self._after_step(work)
+        try:
+            self._update(grad_scale)
+        except (TypeError, ValueError, RuntimeError):
+            if self._buckets_run:
+                raise
+            # Nothing has changed. The grads may have changed dtype or shape since the cached
+            # plan was built: plan afresh and try once more (a real error raises again).
+            self._plans.clear()
+            self._update(grad_scale)
         return loss
 
     def _before_step(self, work) -> None:
