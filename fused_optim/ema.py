@@ -117,21 +117,26 @@ class EmaAccessMixin:
             return [parameters]
         return list(parameters)
 
+    @staticmethod
+    def _check_matches(what: str, targets: List, refs: List[torch.Tensor], ref_label: str) -> None:
+        """``targets`` are tensors matching ``refs`` one to one in count and shape."""
+        if len(targets) != len(refs):
+            raise ValueError(f"{what}: got {len(targets)} tensors but {ref_label} {len(refs)}")
+        for i, (target, ref) in enumerate(zip(targets, refs)):
+            if not isinstance(target, torch.Tensor):
+                raise TypeError(f"{what}: parameters[{i}] is a {type(target).__name__}, not a tensor")
+            if target.shape != ref.shape:
+                raise ValueError(
+                    f"{what}: parameters[{i}] has shape {tuple(target.shape)} but {ref_label} "
+                    f"tensor {i} of shape {tuple(ref.shape)}")
+
     def _targets(self, what: str, parameters: Params) -> List[torch.Tensor]:
         """``parameters`` as tensors matching the optimizer's params one to one (None: its own)."""
         own = self._own_params()
         if parameters is None:
             return own
         targets = self._as_tensors(parameters)
-        if len(targets) != len(own):
-            raise ValueError(f"{what}: got {len(targets)} tensors but the optimizer has {len(own)} params")
-        for i, (target, p) in enumerate(zip(targets, own)):
-            if not isinstance(target, torch.Tensor):
-                raise TypeError(f"{what}: target[{i}] is a {type(target).__name__}, not a tensor")
-            if target.shape != p.shape:
-                raise ValueError(
-                    f"{what}: target[{i}] has shape {tuple(target.shape)} but param {i} has "
-                    f"shape {tuple(p.shape)}")
+        self._check_matches(what, targets, own, "the optimizer has")
         return targets
 
     def _snapshot(self, targets: List[torch.Tensor], with_masters: bool):
@@ -241,16 +246,7 @@ class EmaAccessMixin:
             raise RuntimeError(
                 f"{type(self).__name__}.restore(): nothing to restore; call store() first")
         targets = self._own_params() if parameters is None else self._as_tensors(parameters)
-        if len(targets) != len(saved):
-            raise ValueError(
-                f"restore: got {len(targets)} tensors but store() saved {len(saved)}")
-        for i, (t, (value, _)) in enumerate(zip(targets, saved)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"restore: parameters[{i}] is a {type(t).__name__}, not a tensor")
-            if t.shape != value.shape:
-                raise ValueError(
-                    f"restore: parameters[{i}] has shape {tuple(t.shape)} but the stored tensor "
-                    f"{i} has shape {tuple(value.shape)}")
+        self._check_matches("restore", targets, [value for value, _ in saved], "store() saved")
         self._write_back(targets, saved)
         self._ema_stored = None
 

@@ -28,6 +28,17 @@ def _check_chunk_size(op: str, chunk_size) -> None:
         raise ValueError(f"{op}: chunk_size must be a positive integer, got {chunk_size!r}")
 
 
+def _adam_family_prologue(op: str, lists_key: str, chunk_size, tensor_lists, step, **hyper):
+    """Check an adam-family call's scalars; ``(device, step)``, device None for empty lists."""
+    _check_chunk_size(op, chunk_size)
+    validation.check_hyperparameters(op, step=step, **hyper)
+    step = validation.check_step(op, step)
+    device = _device_of(tensor_lists)
+    if device is None:
+        validation.check_adam_family_lists(lists_key, tensor_lists)
+    return device, step
+
+
 def multi_tensor_fused_ema_adamw(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,
                                  ema_decay: float, beta1: float, beta2: float, eps: float,
                                  step: int, mode: int, bias_correction: bool, weight_decay: float,
@@ -49,15 +60,11 @@ def multi_tensor_fused_ema_adamw(chunk_size: int, noop_flag: torch.Tensor, tenso
     ``noop_flag`` nonzero: nothing changes. ``check_finite``: if any grad is inf/NaN, set
     ``noop_flag`` and change nothing.
     """
-    op = "multi_tensor_fused_ema_adamw"
-    _check_chunk_size(op, chunk_size)
-    validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
-                                     ema_decay=ema_decay, weight_decay=weight_decay, step=step,
-                                     mode=mode)
-    step = validation.check_step(op, step)
-    device = _device_of(tensor_lists)
+    device, step = _adam_family_prologue(
+        "multi_tensor_fused_ema_adamw", "fused_ema_adamw", chunk_size, tensor_lists, step, lr=lr,
+        eps=eps, beta1=beta1, beta2=beta2, ema_decay=ema_decay, weight_decay=weight_decay,
+        mode=mode)
     if device is None:
-        validation.check_adam_family_lists("fused_ema_adamw", tensor_lists)
         return
     registry.resolve("fused_ema_adamw", device)(
         chunk_size, noop_flag, tensor_lists, float(lr), float(ema_decay), float(beta1),
@@ -75,14 +82,10 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs]`` or, with fp32 masters for
     fp16/bf16 params, ``[grads, params, exp_avgs, exp_avg_sqs, masters]``.
     """
-    op = "multi_tensor_adam"
-    _check_chunk_size(op, chunk_size)
-    validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
-                                     weight_decay=weight_decay, step=step, mode=mode)
-    step = validation.check_step(op, step)
-    device = _device_of(tensor_lists)
+    device, step = _adam_family_prologue(
+        "multi_tensor_adam", "adam", chunk_size, tensor_lists, step, lr=lr, eps=eps,
+        beta1=beta1, beta2=beta2, weight_decay=weight_decay, mode=mode)
     if device is None:
-        validation.check_adam_family_lists("adam", tensor_lists)
         return
     registry.resolve("adam", device)(
         chunk_size, noop_flag, tensor_lists, float(lr), float(beta1), float(beta2), float(eps),
@@ -117,14 +120,11 @@ def multi_tensor_radam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, l
     ``noop_flag`` nonzero: nothing changes. ``check_finite``: a non-finite grad sets ``noop_flag``
     and nothing changes.
     """
-    op = "multi_tensor_radam"
-    _check_chunk_size(op, chunk_size)
-    validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
-                                     ema_decay=ema_decay, weight_decay=weight_decay, step=step)
-    step = validation.check_step(op, step)
-    device = _device_of(tensor_lists)
+    device, step = _adam_family_prologue(
+        "multi_tensor_radam", validation.radam_lists_key(ema_decay), chunk_size, tensor_lists,
+        step, lr=lr, eps=eps, beta1=beta1, beta2=beta2, ema_decay=ema_decay,
+        weight_decay=weight_decay)
     if device is None:
-        validation.check_adam_family_lists(validation.radam_lists_key(ema_decay), tensor_lists)
         return
     registry.resolve("radam", device)(
         chunk_size, noop_flag, tensor_lists, float(lr), float(beta1), float(beta2), float(eps),
