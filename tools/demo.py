@@ -6,7 +6,7 @@ the evaluation loss of the raw weights against the EMA weights, and the optimize
 against PyTorch's way of doing the same work: ``torch.optim.AdamW(fused=True)`` on fp32 masters,
 then a separate ``torch._foreach_lerp_`` EMA pass and a copy back to the bf16 params.
 
-    python tools/demo.py [--steps 300] [--width 512] [--seed 0]
+    python tools/demo.py [--steps 300] [--width 512] [--depth 2] [--seed 0]
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ def make_data(n: int, dim: int, generator: torch.Generator):
     return x, y
 
 
-def make_student(dim: int, width: int) -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(dim, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-        torch.nn.GELU(), torch.nn.Linear(width, 1))
+def make_student(dim: int, width: int, depth: int) -> torch.nn.Module:
+    layers = [torch.nn.Linear(dim, width), torch.nn.GELU()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
 def progress(step: int, total: int, loss: float, width: int = 30) -> None:
@@ -69,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=2, help="hidden layers")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--ema-decay", type=float, default=0.99)
@@ -81,8 +83,8 @@ def main() -> None:
     x, y = make_data(8192 + 4096, dim, gen)
     x_train, y_train, x_eval, y_eval = x[:8192], y[:8192], x[8192:], y[8192:]
 
-    model = make_student(dim, args.width).to(torch.bfloat16)
-    peer_model = make_student(dim, args.width).to(torch.bfloat16)
+    model = make_student(dim, args.width, args.depth).to(torch.bfloat16)
+    peer_model = make_student(dim, args.width, args.depth).to(torch.bfloat16)
     peer_model.load_state_dict(model.state_dict())
     n_params = sum(p.numel() for p in model.parameters())
     opt = FusedEmaAdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
