@@ -177,12 +177,18 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             buckets.append(bucket)
         return buckets
 
-    def _plan_for(self, group: Dict[str, Any]):
-        """``[(bucket, grads)]`` for this step; rebuilds the plan when the params with grads change."""
+    def _plan_for(self, group: Dict[str, Any], lazy: bool = False):
+        """``[(bucket, grads)]`` for this step; rebuilds the plan when the params with grads change.
+
+        ``lazy``: when the cached plan is one real bucket, return ``[(bucket, None)]``: its call
+        reads the params' grads itself (``prepared.step_param_grads``).
+        """
         plan = self._plans.get(id(group))
         signature = self._plan_signature(group)
         if (plan is not None and plan.params is group["params"]
                 and plan.count == len(group["params"]) and plan.signature == signature):
+            if lazy and len(plan.buckets) == 1 and not plan.buckets[0].complex:
+                return [(plan.buckets[0], None)]
             work = []
             for bucket in plan.buckets:
                 grads = bucket.grads()
@@ -210,9 +216,10 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         them are checked first, so a bad grad in one leaves every other bucket untouched too.
         """
         self._buckets_run = 0
+        lazy = len(self.param_groups) == 1  # one group: a single bucket reads its own grads
         work = [(group, bucket, grads)
                 for group in self.param_groups
-                for bucket, grads in self._plan_for(group)]
+                for bucket, grads in self._plan_for(group, lazy)]
         if len(work) > 1:
             for _, bucket, grads in work:
                 bucket.prepared.validate(grads)
@@ -220,8 +227,17 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         for group, bucket, grads in work:
             step = bucket.step + 1
             scale = None if grad_scale is None else grad_scale.to(bucket.device)
-            bucket.prepared(grads, self._noop_flag(bucket.device), *self._op_args(group, step),
-                            grad_scale=scale, maximize=bool(group.get("maximize", False)))
+            args = self._op_args(group, step)
+            maximize = bool(group.get("maximize", False))
+            noop = self._noop_flag(bucket.device)
+            if grads is None:  # the only bucket (see _plan_for): nothing has run yet
+                if not bucket.prepared.step_param_grads(noop, *args, grad_scale=scale,
+                                                        maximize=maximize):
+                    # a param lost its grad since the plan was built: plan afresh
+                    self._plans.pop(id(group), None)
+                    return self._update(grad_scale)
+            else:
+                bucket.prepared(grads, noop, *args, grad_scale=scale, maximize=maximize)
             bucket.step = step
             bucket.step_tensor.fill_(step)
             self._buckets_run += 1

@@ -838,11 +838,37 @@ bool PreparedAdamFamily::gather(const PyTensorList& grads, AdamBucket& bucket) c
 
 void PreparedAdamFamily::call(py::handle grads, const std::optional<at::Tensor>& noop, AdamHyper& h,
                               py::handle step, bool has_ema) {
+  PyTensorList g;
+  unpack_list(grads, g, msg_op_ + ": grads");
+  call_list(g, noop, h, step, has_ema);
+}
+
+bool PreparedAdamFamily::call_param_grads(const std::optional<at::Tensor>& noop, AdamHyper& h,
+                                          py::handle step, bool has_ema) {
+  if (state_.empty()) return false;
+  const auto& params = state_[0];
+  const size_t n = params.size();
+  // Hold a reference to every grad for the call (the kernel runs without the GIL).
+  std::vector<at::Tensor> hold;
+  hold.reserve(n);
+  PyTensorList g;
+  g.items.resize(n);
+  g.objs.assign(n, nullptr);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& gi = params[i].unsafeGetTensorImpl()->grad();
+    if (!gi.defined()) return false;
+    hold.push_back(gi);
+  }
+  for (size_t i = 0; i < n; ++i) g.items[i] = &hold[i];
+  call_list(g, noop, h, step, has_ema);
+  return true;
+}
+
+void PreparedAdamFamily::call_list(const PyTensorList& g, const std::optional<at::Tensor>& noop,
+                                   AdamHyper& h, py::handle step, bool has_ema) {
   const std::string& op = msg_op_;
   h.rule = rule_;
   set_form(has_ema);
-  PyTensorList g;
-  unpack_list(grads, g, op + ": grads");
   AdamBucket bucket;
   if (!gather(g, bucket)) {
     if (full_validate(g).rows == 0) {
@@ -853,7 +879,7 @@ void PreparedAdamFamily::call(py::handle grads, const std::optional<at::Tensor>&
     if (!gather(g, bucket)) {
       // validated but not gatherable by the fast path (should not happen): generic path
       std::vector<PyTensorList> st(state_.size());
-      std::vector<PyTensorList*> lists{&g};
+      std::vector<PyTensorList*> lists{const_cast<PyTensorList*>(&g)};
       for (size_t k = 0; k < state_.size(); ++k) {
         for (auto& t : state_[k]) st[k].items.push_back(&t);
         st[k].objs.assign(state_[k].size(), nullptr);
@@ -880,6 +906,51 @@ py::list PreparedAdamFamily::state_lists() const {
 // ------------------------------------------------------------------------------------------------
 // Bindings
 // ------------------------------------------------------------------------------------------------
+
+// The prepared call's positional scalars (the op's order after tensor_lists) parsed into h; then
+// run(self, noop, h, step, has_ema).
+template <typename Run>
+auto prepared_call(PreparedAdamFamily& self, const std::optional<at::Tensor>& noop,
+                   const py::args& args, const std::optional<at::Tensor>& grad_scale,
+                   bool maximize, bool check_finite, const Run& run) {
+  AdamHyper h;
+  h.grad_scale = grad_scale;
+  h.maximize = maximize;
+  h.check_finite = check_finite;
+  if (self.rule() == UpdateRule::kRAdam) {
+    // lr, beta1, beta2, eps, step, weight_decay, decoupled_weight_decay(, ema_decay)
+    TORCH_CHECK_TYPE(args.size() == 7 || args.size() == 8,
+                     "multi_tensor_radam: prepared call takes 7 or 8 scalar arguments "
+                     "after (grads, noop_flag), got ", args.size());
+    h.lr = args[0].cast<double>();
+    h.beta1 = args[1].cast<double>();
+    h.beta2 = args[2].cast<double>();
+    h.eps = args[3].cast<double>();
+    py::handle step = args[4];
+    h.weight_decay = args[5].cast<double>();
+    h.mode = py::bool_(args[6]).cast<bool>() ? 1 : 0;
+    h.bias_correction = true;
+    const bool ema = args.size() == 8 && !args[7].is_none();
+    h.ema_decay = ema ? args[7].cast<double>() : 0.0;
+    return run(self, noop, h, step, ema);
+  }
+  const bool ema = self.has_ema();
+  const size_t want = ema ? 9 : 8;
+  TORCH_CHECK_TYPE(args.size() == want, family_op_name(UpdateRule::kAdam, ema),
+                   ": prepared call takes ", want,
+                   " scalar arguments after (grads, noop_flag), got ", args.size());
+  size_t k = 0;
+  h.lr = args[k++].cast<double>();
+  h.ema_decay = ema ? args[k++].cast<double>() : 0.0;
+  h.beta1 = args[k++].cast<double>();
+  h.beta2 = args[k++].cast<double>();
+  h.eps = args[k++].cast<double>();
+  py::handle step = args[k++];
+  h.mode = args[k++].cast<int64_t>();
+  h.bias_correction = py::bool_(args[k++]).cast<bool>();
+  h.weight_decay = args[k++].cast<double>();
+  return run(self, noop, h, step, ema);
+}
 
 void bind_adam_family(py::module_& m) {
   using opt_t = std::optional<at::Tensor>;
@@ -949,49 +1020,27 @@ void bind_adam_family(py::module_& m) {
           "__call__",
           [](PreparedAdamFamily& self, py::handle grads, const opt_t& noop, py::args args,
              const opt_t& grad_scale, bool maximize, bool check_finite) {
-            // Positional scalars in the op's order after tensor_lists.
-            AdamHyper h;
-            h.grad_scale = grad_scale;
-            h.maximize = maximize;
-            h.check_finite = check_finite;
-            if (self.rule() == UpdateRule::kRAdam) {
-              // lr, beta1, beta2, eps, step, weight_decay, decoupled_weight_decay(, ema_decay)
-              TORCH_CHECK_TYPE(args.size() == 7 || args.size() == 8,
-                               "multi_tensor_radam: prepared call takes 7 or 8 scalar arguments "
-                               "after (grads, noop_flag), got ", args.size());
-              h.lr = args[0].cast<double>();
-              h.beta1 = args[1].cast<double>();
-              h.beta2 = args[2].cast<double>();
-              h.eps = args[3].cast<double>();
-              py::handle step = args[4];
-              h.weight_decay = args[5].cast<double>();
-              h.mode = py::bool_(args[6]).cast<bool>() ? 1 : 0;
-              h.bias_correction = true;
-              const bool ema = args.size() == 8 && !args[7].is_none();
-              h.ema_decay = ema ? args[7].cast<double>() : 0.0;
-              self.call(grads, noop, h, step, ema);
-              return;
-            }
-            const bool ema = self.has_ema();
-            const size_t want = ema ? 9 : 8;
-            TORCH_CHECK_TYPE(args.size() == want, family_op_name(UpdateRule::kAdam, ema),
-                             ": prepared call takes ", want,
-                             " scalar arguments after (grads, noop_flag), got ", args.size());
-            size_t k = 0;
-            h.lr = args[k++].cast<double>();
-            h.ema_decay = ema ? args[k++].cast<double>() : 0.0;
-            h.beta1 = args[k++].cast<double>();
-            h.beta2 = args[k++].cast<double>();
-            h.eps = args[k++].cast<double>();
-            py::handle step = args[k++];
-            h.mode = args[k++].cast<int64_t>();
-            h.bias_correction = py::bool_(args[k++]).cast<bool>();
-            h.weight_decay = args[k++].cast<double>();
-            self.call(grads, noop, h, step, ema);
+            prepared_call(self, noop, args, grad_scale, maximize, check_finite,
+                          [&](PreparedAdamFamily& s, const opt_t& nf, AdamHyper& h,
+                              py::handle step, bool ema) { s.call(grads, nf, h, step, ema); });
           },
           py::arg("grads"), py::arg("noop_flag"),
           py::arg("grad_scale") = py::none(), py::arg("maximize") = false,
-          py::arg("check_finite") = false);
+          py::arg("check_finite") = false)
+      .def(
+          "step_param_grads",
+          [](PreparedAdamFamily& self, const opt_t& noop, py::args args, const opt_t& grad_scale,
+             bool maximize, bool check_finite) {
+            return prepared_call(self, noop, args, grad_scale, maximize, check_finite,
+                                 [](PreparedAdamFamily& s, const opt_t& nf, AdamHyper& h,
+                                    py::handle step, bool ema) {
+                                   return s.call_param_grads(nf, h, step, ema);
+                                 });
+          },
+          py::arg("noop_flag"), py::arg("grad_scale") = py::none(),
+          py::arg("maximize") = false, py::arg("check_finite") = false,
+          "__call__ with the grads of the bound params (the first state list), read from their "
+          "`.grad`; returns False, running nothing, when any of them has no grad.");
 }
 
 }  // namespace CPU_CAPABILITY

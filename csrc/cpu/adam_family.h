@@ -61,6 +61,10 @@ class PreparedAdamFamily {
   void validate(py::handle grads);
   void call(py::handle grads, const std::optional<at::Tensor>& noop, AdamHyper& h,
             py::handle step, bool has_ema);
+  // call() with the grads of the stored params (state list 0), read from their `.grad` here.
+  // Returns false, running nothing, when any param has no grad.
+  bool call_param_grads(const std::optional<at::Tensor>& noop, AdamHyper& h, py::handle step,
+                        bool has_ema);
   const std::string& op_name() const { return op_name_; }
   int64_t chunk_size() const { return chunk_size_; }
   UpdateRule rule() const { return rule_; }
@@ -71,6 +75,8 @@ class PreparedAdamFamily {
   AdamForm full_validate(const PyTensorList& grads);
   bool gather(const PyTensorList& grads, AdamBucket& bucket) const;
   bool infer_ema() const;
+  void call_list(const PyTensorList& g, const std::optional<at::Tensor>& noop, AdamHyper& h,
+                 py::handle step, bool has_ema);
   void set_form(bool has_ema);
 
   std::string op_name_;

@@ -97,7 +97,8 @@ class PreparedOp:
 
     The generic form, used for backends without a ``prepare`` factory, prepends the grads to
     the stored lists and calls the op. ``validate(grads)`` checks a call's grads without running
-    it, so an optimizer can check every bucket before it modifies any.
+    it, so an optimizer can check every bucket before it modifies any. ``step_param_grads``
+    calls with the grads of the params (the first state list), read at call time.
     """
 
     def __init__(self, op: str, impl: Callable, validator: Callable, state_lists, chunk_size: int):
@@ -112,6 +113,15 @@ class PreparedOp:
 
     def __call__(self, grads, noop_flag, *args, **kwargs):
         return self.impl(self.chunk_size, noop_flag, [grads] + self.state_lists, *args, **kwargs)
+
+    def step_param_grads(self, noop_flag, *args, **kwargs) -> bool:
+        """Call with the ``.grad`` of the params (the first state list); ``False``, running
+        nothing, when any of them has no grad. Native backends do this without a Python list."""
+        grads = [p.grad for p in self.state_lists[0]]
+        if any(g is None for g in grads):
+            return False
+        self(grads, noop_flag, *args, **kwargs)
+        return True
 
 
 def prepare(op: str, state_lists, chunk_size: int, validator: Callable):
