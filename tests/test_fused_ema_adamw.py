@@ -295,6 +295,25 @@ def test_param_without_grad_is_skipped_and_keeps_its_step(backend):
     assert [int(opt.state[p]["step"]) for p in params] == [6, 4, 5]
 
 
+def test_param_losing_its_grad_after_the_plan_is_cached_is_skipped(backend):
+    """One group, one bucket: its call reads the grads itself; a missing one re-plans first."""
+    params = make_params([(4, 3), (5,), (2, 2)])
+    opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.8)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):  # all params step together: one cached plan with one bucket
+        set_grads(params, [torch.randn(p.shape, generator=gen) for p in params])
+        opt.step()
+    set_grads(params, [torch.randn(params[0].shape, generator=gen), None,
+                       torch.randn(params[2].shape, generator=gen)])
+    skipped = params[1].detach().clone()
+    skipped_state = {k: v.clone() for k, v in opt.state[params[1]].items()}
+    opt.step()
+    assert_bitwise_equal(params[1], skipped, "param without grad changed")
+    for k, v in skipped_state.items():
+        assert_bitwise_equal(opt.state[params[1]][k], v, f"state[{k}] of the skipped param")
+    assert [int(opt.state[p]["step"]) for p in params] == [3, 2, 3]
+
+
 def test_no_grads_at_all_is_a_noop(backend):
     params = make_params()
     opt = FusedEmaAdamW(params)
