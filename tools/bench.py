@@ -511,7 +511,7 @@ def _percentile(sorted_values: List[float], q: float) -> float:
 
 
 def run_workload(wl: Workload, peer_names: List[str], rounds: int, warmup: int, budget_s: float,
-                 ceiling_gbps: float, measure_memory: bool) -> Dict[str, object]:
+                 ceiling_gbps: float, measure_memory: bool, burst: int = 1) -> Dict[str, object]:
     print(f"\n[{wl.name}] {wl.description}: {len(wl.shapes)} tensors, {wl.numel:,} elements; "
           f"setting up {len(peer_names)} peers ...", flush=True)
     peers: Dict[str, Peer] = {}
@@ -532,9 +532,11 @@ def run_workload(wl: Workload, peer_names: List[str], rounds: int, warmup: int, 
             k = r % len(order)
             for name in order[k:] + order[:k]:  # rotate who goes first
                 peer = peers[name]
-                t0 = time.perf_counter()
-                peer.step()
-                times[name].append(time.perf_counter() - t0)
+                for i in range(burst):  # burst > 1: time only the steps after the first (warm)
+                    t0 = time.perf_counter()
+                    peer.step()
+                    if burst == 1 or i > 0:
+                        times[name].append(time.perf_counter() - t0)
             done = r + 1
             if done >= MIN_ROUNDS and time.perf_counter() - t_start > budget_s:
                 break
@@ -542,7 +544,8 @@ def run_workload(wl: Workload, peer_names: List[str], rounds: int, warmup: int, 
         if gc_was_enabled:
             gc.enable()
     wall = time.perf_counter() - t_start
-    print(f"[{wl.name}] {done} interleaved rounds in {wall:.1f} s", flush=True)
+    print(f"[{wl.name}] {done} interleaved rounds of {burst} step(s) per peer in {wall:.1f} s",
+          flush=True)
 
     memory: Dict[str, Dict[str, Optional[float]]] = {}
     if measure_memory:
@@ -666,6 +669,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: leave torch's default)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory steps")
+    parser.add_argument("--burst", type=int, default=1,
+                        help="consecutive steps per peer per round; with N > 1 only steps 2..N "
+                             "are timed, i.e. back-to-back steps with the peer's data and threads "
+                             "warm (default 1: every step follows the other peers' steps)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny run for smoke tests: 3 rounds, 1 warm-up step, small bandwidth buffers")
     parser.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
@@ -709,7 +716,7 @@ def main(argv=None) -> int:
         budget = args.budget if args.budget is not None else DEFAULT_BUDGET_S[w]
         wl = make_workload(w, args.w2_tensors)
         res = run_workload(wl, peers, max(1, rounds), max(0, warmup), budget, ceiling,
-                           not args.no_memory)
+                           not args.no_memory, burst=max(1, args.burst))
         del wl
         gc.collect()
         _malloc_trim()
@@ -743,7 +750,7 @@ def main(argv=None) -> int:
         payload = {
             "machine": info,
             "settings": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY,
-                         "ema_decay": EMA_DECAY, "quick": args.quick, "argv": sys.argv[1:],
+                         "ema_decay": EMA_DECAY, "quick": args.quick, "burst": args.burst, "argv": sys.argv[1:],
                          "w2_tensors": args.w2_tensors},
             "bandwidth": {"ceiling_gbps": ceiling, "runs": bandwidth_runs,
                           "method": "best of torch.add(a, b, out=c) [12 B/elem], a.add_(b) "
