@@ -117,22 +117,38 @@ bool scale_chunk(const ScaleRow& r, int64_t start, int64_t end, double scale) {
   }
 }
 
+// `tensor_lists` must be exactly names.size() lists of tensors (`form` in errors): unpacks them
+// into `lists` and checks them row by row against list 0. Returns the row count.
+int64_t unpack_checked_lists(const std::string& op, int64_t chunk_size, py::handle tensor_lists,
+                             const std::vector<const char*>& names, const char* form,
+                             std::vector<PyTensorList>& lists) {
+  TORCH_CHECK_VALUE(chunk_size >= 1, op, ": chunk_size must be a positive integer, got ",
+                    chunk_size);
+  PyObject* tl = tensor_lists.ptr();
+  TORCH_CHECK_VALUE(PyList_Check(tl) || PyTuple_Check(tl), op, ": tensor_lists must be ", form,
+                    ", got ", Py_TYPE(tl)->tp_name);
+  const Py_ssize_t nl = PySequence_Fast_GET_SIZE(tl);
+  TORCH_CHECK_VALUE(nl == static_cast<Py_ssize_t>(names.size()), op, ": tensor_lists must be ",
+                    form, ", got ", nl, " lists");
+  lists.resize(names.size());
+  std::vector<PyTensorList*> unpacked;
+  for (size_t k = 0; k < names.size(); ++k) {
+    unpack_list(PySequence_Fast_ITEMS(tl)[k], lists[k], op + ": " + names[k]);
+    unpacked.push_back(&lists[k]);
+  }
+  return check_rows(op, unpacked, names, 0);
+}
+
 // Returns false (nothing modified) when a dtype is not handled natively; Python then runs the
 // reference implementation.
 bool scale_op(int64_t chunk_size, const std::optional<at::Tensor>& noop, py::handle tensor_lists,
               double scale) {
   const std::string op = "multi_tensor_scale";
-  TORCH_CHECK_VALUE(chunk_size >= 1, op, ": chunk_size must be a positive integer, got ",
-                    chunk_size);
-  PyObject* tl = tensor_lists.ptr();
-  TORCH_CHECK_VALUE(PyList_Check(tl) || PyTuple_Check(tl), op,
-                    ": tensor_lists must be [srcs, dsts], got ", Py_TYPE(tl)->tp_name);
-  const Py_ssize_t nl = PySequence_Fast_GET_SIZE(tl);
-  TORCH_CHECK_VALUE(nl == 2, op, ": tensor_lists must be [srcs, dsts], got ", nl, " lists");
-  PyTensorList srcs, dsts;
-  unpack_list(PySequence_Fast_ITEMS(tl)[0], srcs, op + ": srcs");
-  unpack_list(PySequence_Fast_ITEMS(tl)[1], dsts, op + ": dsts");
-  const int64_t n = check_rows(op, {&srcs, &dsts}, {"srcs", "dsts"}, 0);
+  std::vector<PyTensorList> lists;
+  const int64_t n =
+      unpack_checked_lists(op, chunk_size, tensor_lists, {"srcs", "dsts"}, "[srcs, dsts]", lists);
+  const PyTensorList& srcs = lists[0];
+  const PyTensorList& dsts = lists[1];
   if (n == 0) return true;
   for (int64_t i = 0; i < n; ++i) {
     if (!supported(srcs.items[i]->scalar_type()) || !supported(dsts.items[i]->scalar_type()))
@@ -213,16 +229,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> l2norm_op(int64_t chunk_size,
                                                             py::handle tensor_lists,
                                                             bool per_tensor) {
   const std::string op = "multi_tensor_l2norm";
-  TORCH_CHECK_VALUE(chunk_size >= 1, op, ": chunk_size must be a positive integer, got ",
-                    chunk_size);
-  PyObject* tl = tensor_lists.ptr();
-  TORCH_CHECK_VALUE(PyList_Check(tl) || PyTuple_Check(tl), op,
-                    ": tensor_lists must be [tensors], got ", Py_TYPE(tl)->tp_name);
-  const Py_ssize_t nl = PySequence_Fast_GET_SIZE(tl);
-  TORCH_CHECK_VALUE(nl == 1, op, ": tensor_lists must be [tensors], got ", nl, " lists");
-  PyTensorList ts;
-  unpack_list(PySequence_Fast_ITEMS(tl)[0], ts, op + ": tensors");
-  const int64_t n = check_rows(op, {&ts}, {"tensors"}, 0);
+  std::vector<PyTensorList> lists;
+  const int64_t n =
+      unpack_checked_lists(op, chunk_size, tensor_lists, {"tensors"}, "[tensors]", lists);
+  const PyTensorList& ts = lists[0];
   for (int64_t i = 0; i < n; ++i)
     if (!supported(ts.items[i]->scalar_type())) return std::nullopt;
   std::vector<const void*> ptrs(n);
