@@ -23,14 +23,19 @@ def _device_of(tensor_lists) -> Optional[torch.device]:
     return None
 
 
-def _check_chunk_size(op: str, chunk_size) -> None:
+def _check_call(op: str, chunk_size, tensor_lists) -> None:
+    """A positive integer chunk size, and tensor_lists a list (or tuple) of lists of tensors."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{op}: chunk_size must be a positive integer, got {chunk_size!r}")
+    if not isinstance(tensor_lists, (list, tuple)) or not all(
+            isinstance(tensors, (list, tuple)) for tensors in tensor_lists):
+        raise TypeError(f"{op}: tensor_lists must be a list of lists of tensors, got "
+                        f"{type(tensor_lists).__name__}")
 
 
 def _adam_family_prologue(op: str, lists_key: str, chunk_size, tensor_lists, step, **hyper):
     """Check an adam-family call's scalars; ``(device, step)``, device None for empty lists."""
-    _check_chunk_size(op, chunk_size)
+    _check_call(op, chunk_size, tensor_lists)
     validation.check_hyperparameters(op, step=step, **hyper)
     step = validation.check_step(op, step)
     device = _device_of(tensor_lists)
@@ -139,7 +144,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     Sets ``noop_flag`` to 1 if any source holds an inf or NaN (the copy still happens, as in apex).
     """
     op = "multi_tensor_scale"
-    _check_chunk_size(op, chunk_size)
+    _check_call(op, chunk_size, tensor_lists)
     device = _device_of(tensor_lists)
     if device is None:
         return
@@ -153,6 +158,6 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     Independent of chunk size and thread count. Sets ``noop_flag`` on an inf/NaN input.
     """
     op = "multi_tensor_l2norm"
-    _check_chunk_size(op, chunk_size)
+    _check_call(op, chunk_size, tensor_lists)
     device = _device_of(tensor_lists) or noop_flag.device
     return registry.resolve("l2norm", device)(chunk_size, noop_flag, tensor_lists, bool(per_tensor))

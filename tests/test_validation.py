@@ -407,3 +407,20 @@ def test_sparse_grad_for_new_param_is_rejected(backend):
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert_unchanged([p, q], saved)
+
+
+@pytest.mark.parametrize("bad", ["not lists", [torch.zeros(2)], None])
+def test_tensor_lists_that_are_not_lists_of_lists_are_rejected(bad):
+    import multi_tensor as mt
+    noop = torch.zeros(1, dtype=torch.int32)
+    calls = {
+        "multi_tensor_scale": lambda: mt.multi_tensor_scale(8, noop, bad, 2.0),
+        "multi_tensor_l2norm": lambda: mt.multi_tensor_l2norm(8, noop, bad),
+        "multi_tensor_adam": lambda: mt.multi_tensor_adam(8, noop, bad, 1e-3, 0.9, 0.999, 1e-8,
+                                                          1, 1, True, 0.0),
+        "multi_tensor_fused_ema_adamw": lambda: mt.multi_tensor_fused_ema_adamw(
+            8, noop, bad, 1e-3, 0.99, 0.9, 0.999, 1e-8, 1, 1, True, 0.0),
+    }
+    for op, call in calls.items():
+        with pytest.raises(TypeError, match=f"{op}: tensor_lists must be a list of lists"):
+            call()
