@@ -934,3 +934,34 @@ def test_fused_radam_native_equals_reference_backend(dtype, ema):
                 state.append([opt.state[p][key] for p in params])
         results.append(state)
     assert_bitwise(results[0], results[1])
+
+
+def test_missing_extension_warns_once_and_the_optimizer_runs_on_the_reference():
+    code = (
+        "import sys\n"
+        "for isa in ('avx512', 'avx2', 'default'):\n"
+        "    sys.modules['multi_tensor._C_' + isa] = None  # as if never built\n"
+        "import torch, multi_tensor\n"
+        "from fused_optim import FusedEmaAdamW\n"
+        "p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.ones(4)\n"
+        "opt = FusedEmaAdamW([p], lr=0.1, weight_decay=0.0)\n"
+        "opt.step(); opt.step()\n"
+        "print(multi_tensor.backend_for('fused_ema_adamw', 'cpu').name, float(p[0]))\n"
+    )
+    r = _subprocess(code)
+    assert r.returncode == 0, r.stderr
+    name, value = r.stdout.split()
+    assert name == "reference"
+    assert abs(float(value) - 0.8) < 1e-5  # two Adam steps of lr 0.1 on a constant grad
+    assert r.stderr.count("the native CPU extension did not load") == 1
+
+
+def test_optimizer_tests_pass_with_the_extension_disabled():
+    """The fallback: the FusedEmaAdamW suite, with native loading switched off, in a fresh process."""
+    e = dict(os.environ, MULTI_TENSOR_DISABLE_NATIVE="1")
+    e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(REPO, "tests", "test_fused_ema_adamw.py")],
+                       capture_output=True, text=True, env=e, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
