@@ -83,10 +83,6 @@ def _real_view(t: torch.Tensor) -> torch.Tensor:
 COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
 
-def _scalar(value) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
 class FusedOptimizerBase(torch.optim.Optimizer):
     """Base class of the fused multi-tensor optimizers (see the module docstring)."""
 

@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 import torch
 
 from multi_tensor import multi_tensor_applier, multi_tensor_fused_ema_adamw, validation
-from multi_tensor.bucketing import group_indices
+from multi_tensor.bucketing import bucket_tensor_lists
 
 _NOOP_FLAGS: Dict[torch.device, torch.Tensor] = {}
 
@@ -89,12 +89,11 @@ def fused_ema_adamw(params: List[torch.Tensor], grads: List[torch.Tensor],
     steps = [validation.check_step("fused_ema_adamw", int(t.item()) + 1) for t in state_steps]
     keys = [(p.device, p.dtype, g.dtype, mt is not None, st)
             for p, g, mt, st in zip(params, grads, masters, steps)]
+    buckets = bucket_tensor_lists([grads, params, exp_avgs, exp_avg_sqs, emas, masters],
+                                  key=keys.__getitem__)
     calls = []
-    for (device, _, _, has_master, step), rows in group_indices(keys).items():
-        tensor_lists = [[params[i] for i in rows] for params in
-                        (grads, params, exp_avgs, exp_avg_sqs, emas)]
-        if has_master:
-            tensor_lists.append([masters[i] for i in rows])
+    for (device, _, _, has_master, step), bucket_lists in buckets.items():
+        tensor_lists = bucket_lists if has_master else bucket_lists[:5]
         validation.check_adam_family_lists("fused_ema_adamw", tensor_lists)
         calls.append((device, step, tensor_lists))
     for device, step, tensor_lists in calls:

@@ -6,12 +6,9 @@ bucket order never changes a result (the update is elementwise).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, Iterable, List, Sequence, TypeVar
+from typing import Callable, Dict, Hashable, Iterable, List, Sequence
 
 import torch
-
-T = TypeVar("T")
-
 
 def group_indices(keys: Iterable[Hashable]) -> Dict[Hashable, List[int]]:
     """``{key: [indices with that key, in order]}``, keys in order of first appearance."""
@@ -19,10 +16,6 @@ def group_indices(keys: Iterable[Hashable]) -> Dict[Hashable, List[int]]:
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     return groups
-
-
-def device_dtype_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.dtype)
 
 
 def bucket_tensor_lists(tensor_lists: Sequence[Sequence[torch.Tensor]],

@@ -24,16 +24,12 @@ These ops read ``noop_flag`` on the host (``.item()``): free on the CPU, one syn
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
 
 from .. import validation
 from .registry import ANY_DEVICE, Backend, register_backend
-
-_foreach = torch
-
 
 def _opmath_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -99,9 +95,9 @@ class _AdamFamilyCall:
         self.v = _as_opmath(self.exp_avg_sqs, opmath)
         if grad_scale is not None:
             inv_scale = grad_scale.reshape(()).to(device=self.p[0].device, dtype=opmath).reciprocal()
-            g = _foreach._foreach_mul(g, inv_scale)
+            g = torch._foreach_mul(g, inv_scale)
         if maximize:
-            g = _foreach._foreach_neg(g)
+            g = torch._foreach_neg(g)
         self.g = g
 
     def finish(self, m_new, v_new, p_new, ema_decay: Optional[float]) -> None:
@@ -110,8 +106,8 @@ class _AdamFamilyCall:
         _store(self.exp_avg_sqs, v_new)
         if self.has_ema:
             s = _as_opmath(self.emas, self.opmath)
-            s_new = _foreach._foreach_add(_foreach._foreach_mul(s, ema_decay),
-                                          _foreach._foreach_mul(p_new, 1.0 - ema_decay))
+            s_new = torch._foreach_add(torch._foreach_mul(s, ema_decay),
+                                          torch._foreach_mul(p_new, 1.0 - ema_decay))
             _store(self.emas, s_new)
         _store(self.weights, p_new)
         if self.has_master:
@@ -131,19 +127,19 @@ def adam_family(op: str, chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
         return
     g, p, m, v = call.g, call.p, call.m, call.v
     if mode == 0 and weight_decay != 0.0:
-        g = _foreach._foreach_add(g, _foreach._foreach_mul(p, weight_decay))
+        g = torch._foreach_add(g, torch._foreach_mul(p, weight_decay))
     bc1, bc2 = bias_corrections(beta1, beta2, call.step, bias_correction)
 
-    m_new = _foreach._foreach_add(_foreach._foreach_mul(m, beta1), _foreach._foreach_mul(g, 1.0 - beta1))
-    v_new = _foreach._foreach_add(
-        _foreach._foreach_mul(v, beta2),
-        _foreach._foreach_mul(_foreach._foreach_mul(g, 1.0 - beta2), g),
+    m_new = torch._foreach_add(torch._foreach_mul(m, beta1), torch._foreach_mul(g, 1.0 - beta1))
+    v_new = torch._foreach_add(
+        torch._foreach_mul(v, beta2),
+        torch._foreach_mul(torch._foreach_mul(g, 1.0 - beta2), g),
     )
-    denom = _foreach._foreach_add(_foreach._foreach_sqrt(_foreach._foreach_div(v_new, bc2)), eps)
-    update = _foreach._foreach_div(_foreach._foreach_div(m_new, bc1), denom)
+    denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(v_new, bc2)), eps)
+    update = torch._foreach_div(torch._foreach_div(m_new, bc1), denom)
     if mode == 1 and weight_decay != 0.0:
-        update = _foreach._foreach_add(update, _foreach._foreach_mul(p, weight_decay))
-    p_new = _foreach._foreach_sub(p, _foreach._foreach_mul(update, lr))
+        update = torch._foreach_add(update, torch._foreach_mul(p, weight_decay))
+    p_new = torch._foreach_sub(p, torch._foreach_mul(update, lr))
     call.finish(m_new, v_new, p_new, ema_decay)
 
 
@@ -240,32 +236,32 @@ def radam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, weig
     g, p, m, v, opmath = call.g, call.p, call.m, call.v, call.opmath
     if weight_decay != 0.0:
         if decoupled_weight_decay:
-            p = _foreach._foreach_mul(p, 1 - lr * weight_decay)
+            p = torch._foreach_mul(p, 1 - lr * weight_decay)
         else:
-            g = _foreach._foreach_add(g, _foreach._foreach_mul(p, weight_decay))
+            g = torch._foreach_add(g, torch._foreach_mul(p, weight_decay))
     bc1, bc2, _, rect = radam_scalars(beta1, beta2, call.step)
 
     w = 1 - beta1
     w_op = _opmath_round(w, opmath)
-    d = _foreach._foreach_sub(g, m)
+    d = torch._foreach_sub(g, m)
     if abs(w_op) < 0.5:
-        m_new = _foreach._foreach_add(m, _foreach._foreach_mul(d, w))
+        m_new = torch._foreach_add(m, torch._foreach_mul(d, w))
     else:
         w1 = float((torch.tensor(1.0, dtype=opmath) - torch.tensor(w_op, dtype=opmath)).item())
-        m_new = _foreach._foreach_sub(g, _foreach._foreach_mul(d, w1))
-    v_new = _foreach._foreach_add(
-        _foreach._foreach_mul(v, beta2),
-        _foreach._foreach_mul(_foreach._foreach_mul(g, 1 - beta2), g),
+        m_new = torch._foreach_sub(g, torch._foreach_mul(d, w1))
+    v_new = torch._foreach_add(
+        torch._foreach_mul(v, beta2),
+        torch._foreach_mul(torch._foreach_mul(g, 1 - beta2), g),
     )
-    mh = _foreach._foreach_div(m_new, bc1)
+    mh = torch._foreach_div(m_new, bc1)
     if rect is not None:
-        a = _foreach._foreach_mul(
-            _foreach._foreach_reciprocal(_foreach._foreach_add(_foreach._foreach_sqrt(v_new), eps)),
+        a = torch._foreach_mul(
+            torch._foreach_reciprocal(torch._foreach_add(torch._foreach_sqrt(v_new), eps)),
             bc2 ** 0.5)
-        u = _foreach._foreach_mul(_foreach._foreach_mul(_foreach._foreach_mul(mh, lr), a), rect)
+        u = torch._foreach_mul(torch._foreach_mul(torch._foreach_mul(mh, lr), a), rect)
     else:
-        u = _foreach._foreach_mul(mh, lr)
-    p_new = _foreach._foreach_sub(p, u)
+        u = torch._foreach_mul(mh, lr)
+    p_new = torch._foreach_sub(p, u)
     call.finish(m_new, v_new, p_new, ema_decay)
 
 
