@@ -197,6 +197,16 @@ inline void tile_sqrt(opmath_t* q, int64_t n) {
   if (i < n) V::loadu(q + i, n - i).sqrt().store(q + i, n - i);
 }
 
+// Whether any lane of a (x - x) accumulator is NaN, i.e. some accumulated x was inf/NaN.
+template <typename opmath_t>
+inline bool any_lane_nan(const Vectorized<opmath_t>& acc) {
+  opmath_t out[Vectorized<opmath_t>::size()];
+  acc.store(out);
+  for (int64_t k = 0; k < Vectorized<opmath_t>::size(); ++k)
+    if (out[k] != out[k]) return true;
+  return false;
+}
+
 // Any inf/NaN among n elements of p (x - x is 0 for finite x, NaN otherwise).
 template <typename T, typename opmath_t>
 inline bool has_nonfinite(const T* p, int64_t n) {
@@ -218,11 +228,7 @@ inline bool has_nonfinite(const T* p, int64_t n) {
     acc = acc + (a - a);
     acc = acc + (b - b);
   }
-  opmath_t out[V::size()];
-  acc.store(out);
-  for (int64_t k = 0; k < V::size(); ++k)
-    if (out[k] != out[k]) return true;
-  return false;
+  return any_lane_nan(acc);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -49,11 +49,7 @@ bool scale_vec(const S* src, D* dst, int64_t n, opmath_t scale) {
     store2<D, opmath_t>(db, a * sv, b * sv);
     std::memcpy(dst + i, db, sizeof(D) * (n - i));
   }
-  opmath_t out[V::size()];
-  acc.store(out);
-  for (int64_t k = 0; k < V::size(); ++k)
-    if (out[k] != out[k]) return true;
-  return false;
+  return any_lane_nan(acc);
 }
 
 // Mixed pairs with an fp64 side: scalar, converting like torch's copy_ (double -> float -> low).
