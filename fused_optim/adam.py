@@ -52,8 +52,6 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
     ``exp_avg_sq`` and, for fp16/bf16 params with master weights, ``master_param``.
     """ + _UPDATE_DOC
 
-    _op = "adam"
-
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
@@ -74,11 +72,6 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
             set_to_none = getattr(self, "set_grad_none", True)
         super().zero_grad(set_to_none=set_to_none)
 
-    def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
-        beta1, beta2 = group["betas"]
-        return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), step,
-                1 if group["adam_w_mode"] else 0, bool(group["bias_correction"]),
-                float(group["weight_decay"]))
 
 
 class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
@@ -98,7 +91,7 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
     ``foreach``, ``fused``, ``decoupled_weight_decay`` = True, ...) plus ``master_weights``.
     """ + _UPDATE_DOC
 
-    _op = "adam"
+    _decoupled_key = "decoupled_weight_decay"  # always True (torch.optim.AdamW)
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
@@ -118,7 +111,3 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
         for group in self.param_groups:  # as torch.optim.AdamW: always decoupled
             group["decoupled_weight_decay"] = True
 
-    def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
-        beta1, beta2 = group["betas"]
-        return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), step, 1,
-                True, float(group["weight_decay"]))

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from multi_tensor import validation
+from multi_tensor import rules, schema, validation
 
 from . import ema_schedules
 from .base import LOW_PRECISION
@@ -48,6 +48,8 @@ class AdamStateMixin:
 
     _supports_complex = True
     _ema_required = False  # True: every group must have an ema_decay (FusedEmaAdamW)
+    _rule = rules.ADAM
+    _decoupled_key = "adam_w_mode"  # the group option that selects decoupled decay
 
     # --- group options ------------------------------------------------------------------------
     @staticmethod
@@ -72,33 +74,25 @@ class AdamStateMixin:
         if self._has_ema(group):  # the EMA schedule options (fused_optim.ema_schedules)
             ema_schedules.check_group(name, group)
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """Add a group; a rejected one (bad option or param) does not stay in ``param_groups``."""
-        count = len(self.param_groups)
-        try:
-            super().add_param_group(param_group)
-            self._check_group(self.param_groups[-1])
-        except Exception:
-            del self.param_groups[count:]
-            raise
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:  # options added since the state was saved (as torch)
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-
-    def _before_step(self, work) -> None:
-        """Check every stepping group before any bucket is updated."""
-        checked = set()
-        for group, _, _ in work:
-            if id(group) not in checked:
-                checked.add(id(group))
-                self._check_group(group)
-        super()._before_step(work)
-
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
         return (self._has_ema(group), bool(group.get("master_weights", False)))
+
+    def _op(self, group: Dict[str, Any]) -> schema.OpSpec:
+        return schema.adam_op(self._rule, self._has_ema(group))
+
+    def _decoupled(self, group: Dict[str, Any]) -> bool:
+        """AdamW's decoupled decay (True) or Adam's L2 decay."""
+        return bool(group[self._decoupled_key])
+
+    def _hyper(self, group: Dict[str, Any], step: int) -> rules.AdamHyper:
+        beta1, beta2 = group["betas"]
+        return rules.AdamHyper(
+            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]), decoupled=self._decoupled(group),
+            bias_correction=bool(group.get("bias_correction", True)),
+            maximize=bool(group.get("maximize", False)),
+            ema_decay=self._ema_decay(group, step) if self._has_ema(group) else None,
+            rule=self._rule)
 
     def _ema_decay(self, group: Dict[str, Any], step: int) -> Optional[float]:
         """The EMA decay of ``group`` at ``step`` (None: no EMA).

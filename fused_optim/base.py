@@ -1,27 +1,36 @@
-"""The machinery every fused optimizer shares: plans, steps, AMP and exact state dicts.
+"""The machinery every fused optimizer shares: plans, the step, AMP and exact state dicts.
 
-A fused optimizer is a ``torch.optim.Optimizer`` whose ``step`` makes one multi-tensor engine call
-per bucket. For each param group it keeps a *plan*: the group's params split into buckets by
-``(device, param dtype, grad dtype, step count)`` and, per bucket, the state lists bound once to
-the engine (:func:`multi_tensor.backends.prepare`). A step then only collects grads and calls each
-bucket. The plan is rebuilt when the set of params with grads changes, after
-``load_state_dict`` and after ``add_param_group``.
+A fused optimizer is a ``torch.optim.Optimizer`` whose ``step`` makes one engine call per
+bucket. ``step()`` reads as a straight line::
 
-Per-parameter ``state[p]["step"]`` is a float32 scalar tensor, as in ``torch.optim``. Params that
-step together share one step tensor, advanced once per step; a param that misses a step gets its
-own tensor again at the next plan, so skipped params never advance.
+    grads  = [p.grad for p in group["params"]]          # collect, per group
+    plan   = self._plan(group, grads)                   # cached; checked and bound
+    scalars = per bucket, from the group's hyperparameters (every group checked first)
+    run every bucket; advance its step
 
-Subclasses define the op and its state:
+A group's *plan* splits its params into buckets by ``(device, param dtype, grad dtype, step,
+master or not)`` and binds each bucket's state lists once to the backend that runs it
+(``Backend.prepare_bucket``). At each step every bucket's ``bind(grads)`` checks cheaply that
+the grads still fit (same count, dtypes, shapes, device) and takes them; only when a bind fails,
+when the set of params with grads changes, or after ``load_state_dict`` / ``add_param_group``,
+is the plan built afresh, with the full check of the op table (:mod:`multi_tensor.schema`),
+which raises naming the tensor. Every bucket is bound before any runs, so a rejected step
+changes nothing.
 
-* ``_op``: the engine op name (``"fused_ema_adamw"``, ``"adam"``, ``"radam"``);
+Per-parameter ``state[p]["step"]`` is a float32 scalar tensor, as in ``torch.optim``. Params
+that step together share one step tensor, advanced once per step; a param that misses a step
+gets its own tensor again at the next plan, so skipped params never advance.
+
+Subclasses define:
+
+* ``_op(group)``: the op (:class:`multi_tensor.schema.OpSpec`) of a group's buckets;
 * ``_init_state(p, group, state)``: create missing state entries for ``p``;
 * ``_state_lists(params, group)``: the op's lists after the grads, for one bucket;
-* ``_op_args(group, step)``: the op's scalar arguments after ``tensor_lists``.
+* ``_hyper(group, step)``: the group's :class:`multi_tensor.rules.AdamHyper` at ``step``;
+* ``_check_group(group)``: the group's option checks (run when added and before every step).
 
-Optional hooks: ``_plan_signature(group)`` (group options that change the lists, e.g. whether an
-EMA is kept: a change rebuilds the plan) and ``_validator_for(group)`` (the list check of a group's
-buckets). Complex params (``_supports_complex``) run as ``torch.view_as_real`` views of the param,
-its grad and its state, as ``torch.optim`` does; the state itself stays complex.
+Complex params (``_supports_complex``) run as ``torch.view_as_real`` views of the param, its
+grad and its state, as ``torch.optim`` does; the state itself stays complex.
 """
 from __future__ import annotations
 
@@ -29,19 +38,20 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from multi_tensor import multi_tensor_applier, validation
-from multi_tensor.backends import prepare
+from multi_tensor import multi_tensor_applier, rules, schema, validation
 from multi_tensor.bucketing import group_indices
 
 LOW_PRECISION = validation.LOW_PRECISION
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
 
 class _Bucket:
-    """One engine call: params of one device/dtype/step, their bound state lists, their step."""
+    """One engine call per step: params of one device/dtype/step, their bound state, their step."""
 
-    __slots__ = ("params", "prepared", "step_tensor", "step", "device", "complex")
+    __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device", "complex")
 
-    def __init__(self, params, prepared, step: int):
+    def __init__(self, rows: Optional[List[int]], params, prepared, step: int):
+        self.rows = rows              # indices into the group's params; None: all, in order
         self.params = params
         self.prepared = prepared
         self.step = step
@@ -49,75 +59,80 @@ class _Bucket:
         self.complex = params[0].is_complex()
         self.step_tensor = torch.tensor(float(step), dtype=torch.float32)
 
-    def grads(self) -> List[torch.Tensor]:
-        """The params' grads as the op takes them (real views for complex params)."""
-        if not self.complex:
-            return [p.grad for p in self.params]
-        return [_real_grad(p) for p in self.params]
+    def grads(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """This bucket's grads, as its op takes them (real views for complex params)."""
+        mine = grads if self.rows is None else [grads[i] for i in self.rows]
+        if self.complex:
+            mine = [None if g is None else _real_view(g) for g in mine]
+        return mine
+
+    def advance(self) -> None:
+        self.step += 1
+        self.step_tensor.fill_(self.step)
 
 
 class _GroupPlan:
-    __slots__ = ("params", "count", "buckets", "signature")
+    __slots__ = ("params", "count", "signature", "present", "buckets")
 
-    def __init__(self, params, buckets, signature):
+    def __init__(self, params, signature, present, buckets):
         self.params = params          # the group's own list object, to notice a replaced list
         self.count = len(params)
+        self.signature = signature
+        self.present = present        # indices of the params with grads; None: all of them
         self.buckets = buckets
-        self.signature = signature    # _plan_signature(group) when the plan was built
+
+    def bind(self, params, signature, grads) -> bool:
+        """Whether this plan still serves ``grads``; if so every bucket has taken its grads."""
+        if self.params is not params or self.count != len(params) or self.signature != signature:
+            return False
+        if self.present is not None and self.present != _present(grads):
+            return False
+        return all(b.prepared.bind(b.grads(grads)) for b in self.buckets)
 
 
-def _real_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
-    g = p.grad
-    if g is None:
-        return None
-    if not g.is_complex():
-        raise TypeError(f"param of dtype {p.dtype} has a grad of dtype {g.dtype}; a complex param "
-                        f"needs a complex grad")
-    return torch.view_as_real(g)
+def _present(grads) -> tuple:
+    return tuple(i for i, g in enumerate(grads) if g is not None)
 
 
 def _real_view(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-COMPLEX_DTYPES = (torch.complex64, torch.complex128)
-
-
 class FusedOptimizerBase(torch.optim.Optimizer):
     """Base class of the fused multi-tensor optimizers (see the module docstring)."""
 
     _step_supports_amp_scaling = True
-    _op: str = ""
     _supports_complex = False  # complex64/complex128 params, run as real views
 
     def __init__(self, params, defaults: Dict[str, Any], chunk_size: int = multi_tensor_applier.chunk_size):
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        validation.check_chunk_size(type(self).__name__, chunk_size)
         self._chunk_size = chunk_size
         self._plans: Dict[int, _GroupPlan] = {}
         super().__init__(params, defaults)
         self._check_params()
 
     # --- subclass hooks -----------------------------------------------------------------------
+    def _op(self, group: Dict[str, Any]) -> schema.OpSpec:
+        raise NotImplementedError
+
     def _init_state(self, p: torch.Tensor, group: Dict[str, Any], state: Dict[str, Any]) -> None:
         raise NotImplementedError
 
     def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> List[List[torch.Tensor]]:
         raise NotImplementedError
 
-    def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
+    def _hyper(self, group: Dict[str, Any], step: int) -> rules.AdamHyper:
         raise NotImplementedError
 
-    def _validator(self, tensor_lists) -> None:
-        validation.check_adam_family_lists(self._op, tensor_lists)
-
-    def _validator_for(self, group: Dict[str, Any]):
-        """The list check of ``group``'s buckets (default :meth:`_validator`)."""
-        return self._validator
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        """Raise if a group option is invalid (before any tensor is modified)."""
 
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
         """Group options the bound lists depend on; when they change, the plan is rebuilt."""
         return None
+
+    def _before_step(self) -> None:
+        """Called at the start of every step, before anything is checked or modified."""
 
     # --- param groups -------------------------------------------------------------------------
     def _check_params(self) -> None:
@@ -132,9 +147,17 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     f"only {supported} params can be optimized")
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        """Add a group; a rejected one (bad option or param) does not stay in ``param_groups``."""
+        count = len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            self._check_group(self.param_groups[-1])
+            if hasattr(self, "_plans"):
+                self._check_params()
+        except Exception:
+            del self.param_groups[count:]
+            raise
         if hasattr(self, "_plans"):
-            self._check_params()
             self._plans.clear()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -142,102 +165,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.__dict__.setdefault("_plans", {})
         self.__dict__.setdefault("_chunk_size", multi_tensor_applier.chunk_size)
         self._plans.clear()
-
-    # --- plans --------------------------------------------------------------------------------
-    def _step_of(self, p: torch.Tensor) -> int:
-        step = self.state[p].get("step")
-        if step is None:
-            return 0
-        return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
-
-    def _build_plan(self, group: Dict[str, Any], params: List[torch.Tensor],
-                    grads: List[torch.Tensor]) -> List[_Bucket]:
-        for p, g in zip(params, grads):
-            if g.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        for p in params:
-            state = self.state[p]
-            self._init_state(p, group, state)
-        keys = [(p.device, p.dtype, g.dtype, self._step_of(p)) for p, g in zip(params, grads)]
-        buckets = []
-        validator = self._validator_for(group)
-        for (_, dtype, _, step), rows in group_indices(keys).items():
-            bucket_params = [params[i] for i in rows]
-            lists = self._state_lists(bucket_params, group)
-            if dtype.is_complex:  # the kernels run on the real views (state stays complex)
-                lists = [[_real_view(t) for t in tensors] for tensors in lists]
-            prepared = prepare(self._op, lists, self._chunk_size, validator)
-            bucket = _Bucket(bucket_params, prepared, step)
-            for p in bucket_params:
-                self.state[p]["step"] = bucket.step_tensor
-            buckets.append(bucket)
-        return buckets
-
-    def _plan_for(self, group: Dict[str, Any], lazy: bool = False):
-        """``[(bucket, grads)]`` for this step; rebuilds the plan when the params with grads change.
-
-        ``lazy``: when the cached plan is one real bucket, return ``[(bucket, None)]``: its call
-        reads the params' grads itself (``prepared.step_param_grads``).
-        """
-        plan = self._plans.get(id(group))
-        signature = self._plan_signature(group)
-        if (plan is not None and plan.params is group["params"]
-                and plan.count == len(group["params"]) and plan.signature == signature):
-            if lazy and len(plan.buckets) == 1 and not plan.buckets[0].complex:
-                return [(plan.buckets[0], None)]
-            work = []
-            for bucket in plan.buckets:
-                grads = bucket.grads()
-                if any(g is None for g in grads):
-                    break
-                work.append((bucket, grads))
-            else:
-                return work
-        params = group["params"]
-        grads = [p.grad for p in params]
-        with_grad = [i for i, g in enumerate(grads) if g is not None]
-        if len(with_grad) == len(params):
-            buckets = self._build_plan(group, params, grads)
-            self._plans[id(group)] = _GroupPlan(params, buckets, signature)
-        else:  # intermittent grads: a one-off plan over the params that have one
-            self._plans.pop(id(group), None)
-            buckets = self._build_plan(group, [params[i] for i in with_grad],
-                                       [grads[i] for i in with_grad])
-        return [(b, b.grads()) for b in buckets]
-
-    def _update(self, grad_scale: Optional[torch.Tensor]) -> None:
-        """Plan, check and run every bucket; counts the buckets run in ``self._buckets_run``.
-
-        Every call checks its own bucket before it writes anything. With several buckets, all of
-        them are checked first, so a bad grad in one leaves every other bucket untouched too.
-        """
-        self._buckets_run = 0
-        lazy = len(self.param_groups) == 1  # one group: a single bucket reads its own grads
-        work = [(group, bucket, grads)
-                for group in self.param_groups
-                for bucket, grads in self._plan_for(group, lazy)]
-        if len(work) > 1:
-            for _, bucket, grads in work:
-                bucket.prepared.validate(grads)
-        self._before_step(work)
-        for group, bucket, grads in work:
-            step = bucket.step + 1
-            scale = None if grad_scale is None else grad_scale.to(bucket.device)
-            args = self._op_args(group, step)
-            maximize = bool(group.get("maximize", False))
-            noop = self._noop_flag(bucket.device)
-            if grads is None:  # the only bucket (see _plan_for): nothing has run yet
-                if not bucket.prepared.step_param_grads(noop, *args, grad_scale=scale,
-                                                        maximize=maximize):
-                    # a param lost its grad since the plan was built: plan afresh
-                    self._plans.pop(id(group), None)
-                    return self._update(grad_scale)
-            else:
-                bucket.prepared(grads, noop, *args, grad_scale=scale, maximize=maximize)
-            bucket.step = step
-            bucket.step_tensor.fill_(step)
-            self._buckets_run += 1
-        self._after_step(work)
+        for group in self.param_groups:  # options added since the state was saved (as torch)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
 
     # --- step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -252,26 +182,90 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale: Optional[torch.Tensor] = getattr(self, "grad_scale", None)
-        found_inf: Optional[torch.Tensor] = getattr(self, "found_inf", None)
+        self._before_step()
+        found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf.item() != 0):
             return loss
-        try:
-            self._update(grad_scale)
-        except (TypeError, ValueError, RuntimeError):
-            if self._buckets_run:
-                raise
-            # Nothing has changed. The grads may have changed dtype or shape since the cached
-            # plan was built: plan afresh and try once more (a real error raises again).
-            self._plans.clear()
-            self._update(grad_scale)
+        work = []
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"]]
+            plan = self._plan(group, grads)
+            if plan.buckets:
+                self._check_group(group)
+            hypers: Dict[int, rules.AdamHyper] = {}
+            for bucket in plan.buckets:
+                step = bucket.step + 1
+                if step not in hypers:
+                    hypers[step] = self._hyper(group, step)
+                work.append((bucket, rules.step_scalars(hypers[step], step)))
+        grad_scale: Optional[torch.Tensor] = getattr(self, "grad_scale", None)
+        for bucket, scalars in work:
+            scale = None if grad_scale is None else grad_scale.to(bucket.device)
+            bucket.prepared.run(self._noop_flag(bucket.device), scalars, scale, False)
+            bucket.advance()
         return loss
 
-    def _before_step(self, work) -> None:
-        """Hook for subclasses (e.g. EMA schedules); ``work`` is ``[(group, bucket, grads)]``."""
+    # --- plans --------------------------------------------------------------------------------
+    def _plan(self, group: Dict[str, Any], grads: List[Optional[torch.Tensor]]) -> _GroupPlan:
+        """The group's plan for these grads, every bucket bound (see the module docstring)."""
+        params = group["params"]
+        signature = self._plan_signature(group)
+        plan = self._plans.get(id(group))
+        if plan is not None and plan.bind(params, signature, grads):
+            return plan
+        present = _present(grads)
+        plan = _GroupPlan(params, signature, None if len(present) == len(params) else present,
+                          self._build_buckets(group, present, grads))
+        self._plans[id(group)] = plan
+        for bucket in plan.buckets:
+            if not bucket.prepared.bind(bucket.grads(grads)):
+                raise RuntimeError(
+                    f"{type(self).__name__}: the backend refused grads that passed the op check")
+        return plan
 
-    def _after_step(self, work) -> None:
-        """Hook for subclasses, after every bucket was updated."""
+    def _step_of(self, p: torch.Tensor) -> int:
+        step = self.state[p].get("step")
+        if step is None:
+            return 0
+        return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+    def _build_buckets(self, group: Dict[str, Any], present: tuple, grads) -> List[_Bucket]:
+        """Check the params with grads against the op table and bind their buckets."""
+        params = group["params"]
+        name = type(self).__name__
+        for i in present:
+            g = grads[i]
+            if g.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            if params[i].is_complex() and not g.is_complex():
+                raise TypeError(f"{name}: param of dtype {params[i].dtype} has a grad of dtype "
+                                f"{g.dtype}; a complex param needs a complex grad")
+        spec = self._op(group)
+        keys = [(params[i].device, params[i].dtype, grads[i].dtype, self._step_of(params[i]))
+                for i in present]
+        checked = []
+        for rows in group_indices(keys).values():
+            rows = [present[k] for k in rows]
+            bucket_params = [params[i] for i in rows]
+            for p in bucket_params:
+                self._init_state(p, group, self.state[p])
+            state_lists = self._state_lists(bucket_params, group)
+            if bucket_params[0].is_complex():
+                state_lists = [[_real_view(t) for t in tensors] for tensors in state_lists]
+            bucket_grads = [_real_view(grads[i]) for i in rows]
+            form = schema.check_lists(spec, [bucket_grads] + state_lists)
+            backend = schema.backend_for_lists(spec, [bucket_grads] + state_lists, form)
+            checked.append((rows, bucket_params, backend, state_lists))
+        buckets = []
+        for rows, bucket_params, backend, state_lists in checked:
+            prepared = backend.prepare_bucket(spec.name, state_lists, self._chunk_size)
+            all_rows = len(rows) == len(params) and rows == list(range(len(params)))
+            bucket = _Bucket(None if all_rows else rows, bucket_params, prepared,
+                             self._step_of(bucket_params[0]))
+            for p in bucket_params:
+                self.state[p]["step"] = bucket.step_tensor
+            buckets.append(bucket)
+        return buckets
 
     _noop_flags: Dict[torch.device, torch.Tensor] = {}
 

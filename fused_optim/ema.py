@@ -7,7 +7,8 @@ The EMA of a param that has not stepped yet is the param itself.
 * the per-step decay through the ``_ema_decay(group, step)`` hook, from the group's schedule options
   (``ema_schedule``, ``ema_start_step``, ``ema_inv_gamma``, ``ema_power``, ``ema_min_decay``; see
   :mod:`fused_optim.ema_schedules`). Decays are computed for every bucket before any tensor is
-  modified, so a bad schedule value raises with nothing changed;
+  modified, so a bad schedule value raises with nothing changed; ``last_ema_decays`` maps
+  ``(group index, step)`` to the decays the last step used;
 * evaluation with EMA weights: ``swap_ema_weights()`` (a context manager), and MindSpeed's /
   diffusers' ``store()`` / ``copy_to()`` / ``restore()``;
 * export: ``copy_ema_to(module_or_tensors)`` and ``ema_state_dict(module)``.
@@ -31,35 +32,25 @@ class EmaAccessMixin:
 
     _ema_swapped = False
     _ema_stored: Optional[List[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
-    _ema_decay_cache: Optional[Dict[Tuple[int, int], Optional[float]]] = None
     last_ema_decays: Dict[Tuple[int, int], float] = {}
 
     # --- schedules ----------------------------------------------------------------------------
     def _ema_decay(self, group: Dict[str, Any], step: int) -> Optional[float]:
-        """The EMA decay for ``group``'s params at optimizer step ``step`` (None: no EMA kept)."""
-        cache = self._ema_decay_cache
-        if cache is not None and (id(group), step) in cache:
-            return cache[(id(group), step)]
-        return ema_schedules.group_ema_decay(type(self).__name__, group, step)
+        """The EMA decay of ``group``'s update at step ``step`` (None: the group keeps no EMA).
 
-    def _before_step(self, work) -> None:
+        Called once per (group, step) before any bucket runs, so a bad schedule value raises
+        with nothing changed; the decays used are kept in ``last_ema_decays``.
+        """
+        decay = ema_schedules.group_ema_decay(type(self).__name__, group, step)
+        if decay is not None:
+            index = next(i for i, g in enumerate(self.param_groups) if g is group)
+            self.last_ema_decays[(index, step)] = decay
+        return decay
+
+    def _before_step(self) -> None:
         self._check_not_swapped()
-        cache: Dict[Tuple[int, int], Optional[float]] = {}
-        used: Dict[Tuple[int, int], float] = {}
-        index = {id(g): i for i, g in enumerate(self.param_groups)}
-        for group, bucket, _ in work:  # validates the schedule options and callable results
-            key = (id(group), bucket.step + 1)
-            if key not in cache:
-                cache[key] = ema_schedules.group_ema_decay(type(self).__name__, group, key[1])
-                if cache[key] is not None:
-                    used[(index[id(group)], key[1])] = cache[key]
-        self._ema_decay_cache = cache
-        self.last_ema_decays = used
-        super()._before_step(work)
-
-    def _after_step(self, work) -> None:
-        self._ema_decay_cache = None
-        super()._after_step(work)
+        self.last_ema_decays = {}
+        super()._before_step()
 
     def ema_decay_at(self, step: int, group: int = 0) -> Optional[float]:
         """The decay the EMA update at optimizer step ``step`` (>= 1) of ``param_groups[group]`` uses."""

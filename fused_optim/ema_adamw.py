@@ -1,7 +1,7 @@
 """FusedEmaAdamW: AdamW and an EMA of the weights in one pass over memory."""
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Tuple
 
 from multi_tensor import multi_tensor_applier
 
@@ -53,8 +53,6 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
     for fp16/bf16 params with master weights, ``master_param``.
     """
 
-    _op = "fused_ema_adamw"
-
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, ema_decay: float = 0.9999, *,
                  adam_w_mode: bool = True, bias_correction: bool = True,
@@ -72,12 +70,6 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         self._check_group(defaults)
         super().__init__(params, defaults, chunk_size=chunk_size)
 
-    # State, state lists and group checks (EMA schedule options included), add_param_group (a
-    # rejected group does not stay): AdamStateMixin, shared with FusedAdam/FusedAdamW/FusedRAdam.
+    # State, state lists, group checks (EMA schedule options included) and the op: AdamStateMixin,
+    # shared with FusedAdam/FusedAdamW/FusedRAdam.
     _ema_required = True
-
-    def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
-        beta1, beta2 = group["betas"]  # every stepping group was checked in _before_step
-        return (float(group["lr"]), self._ema_decay(group, step), float(beta1), float(beta2),
-                float(group["eps"]), step, 1 if group["adam_w_mode"] else 0,
-                bool(group["bias_correction"]), float(group["weight_decay"]))

@@ -5,7 +5,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from multi_tensor import multi_tensor_applier, multi_tensor_fused_ema_adamw, validation
+from multi_tensor import multi_tensor_applier, multi_tensor_fused_ema_adamw, schema, validation
 from multi_tensor.bucketing import bucket_tensor_lists
 
 _NOOP_FLAGS: Dict[torch.device, torch.Tensor] = {}
@@ -94,7 +94,7 @@ def fused_ema_adamw(params: List[torch.Tensor], grads: List[torch.Tensor],
     calls = []
     for (device, _, _, has_master, step), bucket_lists in buckets.items():
         tensor_lists = bucket_lists if has_master else bucket_lists[:5]
-        validation.check_adam_family_lists("fused_ema_adamw", tensor_lists)
+        schema.check_lists(schema.OPS["fused_ema_adamw"], tensor_lists)
         calls.append((device, step, tensor_lists))
     for device, step, tensor_lists in calls:
         multi_tensor_fused_ema_adamw(

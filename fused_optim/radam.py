@@ -1,10 +1,9 @@
 """FusedRAdam: torch.optim.RAdam on the engine's "radam" op, with an optional fused EMA."""
 from __future__ import annotations
 
-import functools
-from typing import Any, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
-from multi_tensor import multi_tensor_applier, validation
+from multi_tensor import multi_tensor_applier, rules
 
 from .adam_state import AdamStateMixin
 from .base import FusedOptimizerBase
@@ -45,7 +44,8 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
     ``ema`` with an ``ema_decay``, ``master_param`` for fp16/bf16 params with master weights.
     """
 
-    _op = "radam"
+    _rule = rules.RADAM
+    _decoupled_key = "decoupled_weight_decay"
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0, decoupled_weight_decay: bool = False,
@@ -59,17 +59,3 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                         capturable=capturable, differentiable=differentiable)
         self._check_group(defaults)
         super().__init__(params, defaults, chunk_size=chunk_size)
-
-    def _validator_for(self, group: Dict[str, Any]):
-        key = validation.radam_lists_key(group.get("ema_decay"))
-        return functools.partial(validation.check_adam_family_lists, key)
-
-    def _op_args(self, group: Dict[str, Any], step: int) -> tuple:
-        beta1, beta2 = group["betas"]
-        ema_decay = self._ema_decay(group, step) if self._has_ema(group) else None
-        return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), step,
-                float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), ema_decay)
-
-    def _before_step(self, work) -> None:
-        self._check_not_swapped()
-        super()._before_step(work)

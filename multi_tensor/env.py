@@ -49,10 +49,7 @@ def report() -> str:
     lines.append(f"torch threads     {torch.get_num_threads()}")
     mod = native_cpu.loaded_module
     if mod is not None:
-        extra = ""
-        if hasattr(mod, "uses_mkl_sqrt"):
-            extra = ", sqrt via MKL VML (as torch.sqrt)" if mod.uses_mkl_sqrt() else ", sqrt via Vectorized"
-        lines.append(f"native extension  {mod.__name__} ({native_cpu.capability}{extra})")
+        lines.append(f"native extension  {mod.__name__} ({native_cpu.capability}, IEEE sqrt/div)")
         lines.append(f"                  {getattr(mod, '__file__', '?')}")
     else:
         lines.append(f"native extension  not loaded: {native_cpu.load_error}")

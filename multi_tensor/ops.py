@@ -1,47 +1,49 @@
-"""The apex-compatible op front-ends.
+"""The apex-compatible op front ends: positional signatures, checked once, then the backend.
 
-Each checks its scalar arguments, finds the bucket's device and hands the call to the backend
-registered for that device (see :mod:`multi_tensor.backends`). The backend checks the tensor
-lists. All checks run before any tensor is modified. Call them through
+Each front end checks its scalars and lists against the op table (:mod:`multi_tensor.schema`)
+before any tensor is modified, turns its positional hyperparameters into an
+:class:`~multi_tensor.rules.AdamHyper` and the step's :class:`~multi_tensor.rules.StepScalars`,
+and hands the call to the backend registered for the bucket's device. Call them through
 ``multi_tensor_applier(op, noop_flag, tensor_lists, *args)`` or directly with a chunk size first.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from . import validation
-from .backends import registry
+from . import rules, schema, validation
 
 
-def _device_of(tensor_lists) -> Optional[torch.device]:
-    for tensors in tensor_lists:
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                return t.device
-    return None
-
-
-def _check_call(op: str, chunk_size, tensor_lists) -> None:
-    """A positive integer chunk size, and tensor_lists a list (or tuple) of lists of tensors."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{op}: chunk_size must be a positive integer, got {chunk_size!r}")
-    if not isinstance(tensor_lists, (list, tuple)) or not all(
-            isinstance(tensors, (list, tuple)) for tensors in tensor_lists):
-        raise TypeError(f"{op}: tensor_lists must be a list of lists of tensors, got "
-                        f"{type(tensor_lists).__name__}")
-
-
-def _adam_family_prologue(op: str, lists_key: str, chunk_size, tensor_lists, step, **hyper):
-    """Check an adam-family call's scalars; ``(device, step)``, device None for empty lists."""
-    _check_call(op, chunk_size, tensor_lists)
-    validation.check_hyperparameters(op, step=step, **hyper)
+def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, grad_scale,
+               check_finite, *, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction,
+               maximize, ema_decay=None) -> None:
+    """Check an Adam-family call once, then run it on its device's backend."""
+    op = spec.api_name
+    validation.check_chunk_size(op, chunk_size)
+    validation.check_list_of_lists(op, tensor_lists)
+    validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
+                                     ema_decay=ema_decay, weight_decay=weight_decay)
     step = validation.check_step(op, step)
-    device = _device_of(tensor_lists)
-    if device is None:
-        validation.check_adam_family_lists(lists_key, tensor_lists)
-    return device, step
+    form = schema.check_lists(spec, tensor_lists)
+    backend = schema.backend_for_lists(spec, tensor_lists, form)
+    if backend is None:
+        return
+    number = functools.partial(validation.real, op)
+    hyper = rules.AdamHyper(
+        lr=number("lr", lr), beta1=number("beta1", beta1), beta2=number("beta2", beta2),
+        eps=number("eps", eps), weight_decay=number("weight_decay", weight_decay),
+        decoupled=bool(decoupled), bias_correction=bool(bias_correction),
+        maximize=bool(maximize),
+        ema_decay=None if ema_decay is None else number("ema_decay", ema_decay), rule=spec.rule)
+    backend.ops[spec.name](chunk_size, noop_flag, tensor_lists, rules.step_scalars(hyper, step),
+                           grad_scale, bool(check_finite))
+
+
+def _mode(op: str, mode) -> bool:
+    validation.check_hyperparameters(op, mode=mode)
+    return mode == 1
 
 
 def multi_tensor_fused_ema_adamw(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,
@@ -53,28 +55,16 @@ def multi_tensor_fused_ema_adamw(chunk_size: int, noop_flag: torch.Tensor, tenso
 
     ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs, emas]`` (one float dtype) or
     ``[grads, params, exp_avgs, exp_avg_sqs, emas, masters]`` (fp16/bf16 params, fp32 state and
-    masters). Per element, in fp32 (SPEC section 2)::
-
-        bc1, bc2 = 1 - beta1**step, 1 - beta2**step      (1, 1 without bias_correction)
-        g  = grad / grad_scale (- if maximize) (+ weight_decay * p if mode 0)
-        m  = beta1 * m + (1 - beta1) * g
-        v  = beta2 * v + (1 - beta2) * g * g
-        p  = p - lr * ((m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p * mode)
-        s  = ema_decay * s + (1 - ema_decay) * p
-
+    masters). The seed operator's update (SPEC section 2) in :mod:`multi_tensor.rules`' order;
+    ``grad_scale``: grads are unscaled by it; ``maximize``: the grad is negated.
     ``noop_flag`` nonzero: nothing changes. ``check_finite``: if any grad is inf/NaN, set
     ``noop_flag`` and change nothing.
     """
-    device, step = _adam_family_prologue(
-        "multi_tensor_fused_ema_adamw", "fused_ema_adamw", chunk_size, tensor_lists, step, lr=lr,
-        eps=eps, beta1=beta1, beta2=beta2, ema_decay=ema_decay, weight_decay=weight_decay,
-        mode=mode)
-    if device is None:
-        return
-    registry.resolve("fused_ema_adamw", device)(
-        chunk_size, noop_flag, tensor_lists, float(lr), float(ema_decay), float(beta1),
-        float(beta2), float(eps), step, int(mode), bool(bias_correction), float(weight_decay),
-        grad_scale=grad_scale, maximize=bool(maximize), check_finite=bool(check_finite))
+    spec = schema.OPS["fused_ema_adamw"]
+    decoupled = _mode(spec.api_name, mode)
+    _adam_call(spec, chunk_size, noop_flag, tensor_lists, step, grad_scale, check_finite, lr=lr,
+               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+               bias_correction=bias_correction, maximize=maximize, ema_decay=ema_decay)
 
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,
@@ -87,55 +77,45 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs]`` or, with fp32 masters for
     fp16/bf16 params, ``[grads, params, exp_avgs, exp_avg_sqs, masters]``.
     """
-    device, step = _adam_family_prologue(
-        "multi_tensor_adam", "adam", chunk_size, tensor_lists, step, lr=lr, eps=eps,
-        beta1=beta1, beta2=beta2, weight_decay=weight_decay, mode=mode)
-    if device is None:
-        return
-    registry.resolve("adam", device)(
-        chunk_size, noop_flag, tensor_lists, float(lr), float(beta1), float(beta2), float(eps),
-        step, int(mode), bool(bias_correction), float(weight_decay), grad_scale=grad_scale,
-        maximize=bool(maximize), check_finite=bool(check_finite))
+    spec = schema.OPS["adam"]
+    decoupled = _mode(spec.api_name, mode)
+    _adam_call(spec, chunk_size, noop_flag, tensor_lists, step, grad_scale, check_finite, lr=lr,
+               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+               bias_correction=bias_correction, maximize=maximize)
 
 
 def multi_tensor_radam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,
                        beta1: float, beta2: float, eps: float, step: int, weight_decay: float,
-                       decoupled_weight_decay: bool, ema_decay: Optional[float] = None, *,
+                       decoupled_weight_decay: bool, *,
                        grad_scale: Optional[torch.Tensor] = None, maximize: bool = False,
                        check_finite: bool = False) -> None:
-    """``torch.optim.RAdam``'s update, with an optional EMA of the weights, in place.
+    """``torch.optim.RAdam``'s update, in place.
 
-    ``ema_decay`` None: ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs]`` or, with
-    fp32 masters for fp16/bf16 params, ``[grads, params, exp_avgs, exp_avg_sqs, masters]``.
-    ``ema_decay`` a float: ``[grads, params, exp_avgs, exp_avg_sqs, emas]`` or
-    ``[grads, params, exp_avgs, exp_avg_sqs, emas, masters]``. So a five-list call is told apart
-    by ``ema_decay``. Per element, in fp32 (t = step)::
-
-        g   = grad / grad_scale (- if maximize)
-        p   = p * (1 - lr * weight_decay)        if decoupled_weight_decay
-        g   = g + weight_decay * p               otherwise (L2)
-        m   = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
-        rho_inf = 2 / (1 - beta2) - 1;  rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t)
-        p   = p - lr * m / (1 - beta1^t) * rect * sqrt(1 - beta2^t) / (sqrt(v) + eps)  if rho_t > 5
-        p   = p - lr * m / (1 - beta1^t)                                                otherwise
-        s   = ema_decay * s + (1 - ema_decay) * p
-
-    The exact operation order is the reference backend's
-    (:func:`multi_tensor.backends.reference.radam`).
-    ``noop_flag`` nonzero: nothing changes. ``check_finite``: a non-finite grad sets ``noop_flag``
-    and nothing changes.
+    ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs]`` or, with fp32 masters for
+    fp16/bf16 params, ``[grads, params, exp_avgs, exp_avg_sqs, masters]``. The scalars are in
+    :func:`multi_tensor.rules.step_scalars` (rectified when rho_t > 5).
     """
-    device, step = _adam_family_prologue(
-        "multi_tensor_radam", validation.radam_lists_key(ema_decay), chunk_size, tensor_lists,
-        step, lr=lr, eps=eps, beta1=beta1, beta2=beta2, ema_decay=ema_decay,
-        weight_decay=weight_decay)
-    if device is None:
-        return
-    registry.resolve("radam", device)(
-        chunk_size, noop_flag, tensor_lists, float(lr), float(beta1), float(beta2), float(eps),
-        step, float(weight_decay), bool(decoupled_weight_decay),
-        None if ema_decay is None else float(ema_decay), grad_scale=grad_scale,
-        maximize=bool(maximize), check_finite=bool(check_finite))
+    spec = schema.OPS["radam"]
+    _adam_call(spec, chunk_size, noop_flag, tensor_lists, step, grad_scale, check_finite, lr=lr,
+               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+               decoupled=decoupled_weight_decay, bias_correction=True, maximize=maximize)
+
+
+def multi_tensor_radam_ema(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,
+                           ema_decay: float, beta1: float, beta2: float, eps: float, step: int,
+                           weight_decay: float, decoupled_weight_decay: bool, *,
+                           grad_scale: Optional[torch.Tensor] = None, maximize: bool = False,
+                           check_finite: bool = False) -> None:
+    """:func:`multi_tensor_radam` plus an EMA of the weights in the same pass.
+
+    ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs, emas]`` or
+    ``[grads, params, exp_avgs, exp_avg_sqs, emas, masters]``.
+    """
+    spec = schema.OPS["radam_ema"]
+    _adam_call(spec, chunk_size, noop_flag, tensor_lists, step, grad_scale, check_finite, lr=lr,
+               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+               decoupled=decoupled_weight_decay, bias_correction=True, maximize=maximize,
+               ema_decay=ema_decay)
 
 
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
@@ -143,12 +123,12 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
 
     Sets ``noop_flag`` to 1 if any source holds an inf or NaN (the copy still happens, as in apex).
     """
-    op = "multi_tensor_scale"
-    _check_call(op, chunk_size, tensor_lists)
-    device = _device_of(tensor_lists)
-    if device is None:
-        return
-    registry.resolve("scale", device)(chunk_size, noop_flag, tensor_lists, float(scale))
+    spec = schema.OPS["scale"]
+    validation.check_chunk_size(spec.api_name, chunk_size)
+    form = schema.check_lists(spec, tensor_lists)
+    backend = schema.backend_for_lists(spec, tensor_lists, form)
+    if backend is not None:
+        backend.ops["scale"](chunk_size, noop_flag, tensor_lists, float(scale))
 
 
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
@@ -157,7 +137,10 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
 
     Independent of chunk size and thread count. Sets ``noop_flag`` on an inf/NaN input.
     """
-    op = "multi_tensor_l2norm"
-    _check_call(op, chunk_size, tensor_lists)
-    device = _device_of(tensor_lists) or noop_flag.device
-    return registry.resolve("l2norm", device)(chunk_size, noop_flag, tensor_lists, bool(per_tensor))
+    spec = schema.OPS["l2norm"]
+    validation.check_chunk_size(spec.api_name, chunk_size)
+    form = schema.check_lists(spec, tensor_lists)
+    backend = schema.backend_for_lists(spec, tensor_lists, form)
+    if backend is None:
+        backend = schema.registry.backend_for("l2norm", noop_flag.device)
+    return backend.ops["l2norm"](chunk_size, noop_flag, tensor_lists, bool(per_tensor))

@@ -1,7 +1,9 @@
-"""Input checks shared by every backend's op front-end and by the optimizers.
+"""Input checks: tensors, lists and scalars.
 
 Every check runs before any tensor is modified and raises an error that names the op, the tensor
-(list name and index) and what is wrong with it.
+(list name and index) and what is wrong with it. The op table (:mod:`multi_tensor.schema`) says
+which lists an op takes; this module checks them. Backends never re-check: they trust what
+passed here.
 """
 from __future__ import annotations
 
@@ -15,39 +17,25 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# The lists each adam-family op takes, by list count. The master list is last.
-ADAM_FAMILY_LIST_NAMES = {
-    "fused_ema_adamw": {
-        5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas"),
-        6: ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters"),
-    },
-    "adam": {
-        4: ("grads", "params", "exp_avgs", "exp_avg_sqs"),
-        5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "masters"),
-    },
-    # radam's five-list form is ambiguous: the op's ``ema_decay`` argument decides it (None: no
-    # EMA list, the fifth list is masters; a float: the fifth list is emas). See radam_lists_key.
-    "radam": {
-        4: ("grads", "params", "exp_avgs", "exp_avg_sqs"),
-        5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "masters"),
-    },
-    "radam_ema": {
-        5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas"),
-        6: ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters"),
-    },
-}
-
-
-def radam_lists_key(ema_decay) -> str:
-    """The ADAM_FAMILY_LIST_NAMES key of a radam call's lists.
-
-    ``"radam"`` when ``ema_decay`` is None (no EMA list), else ``"radam_ema"``.
-    """
-    return "radam" if ema_decay is None else "radam_ema"
-
 
 def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor whose data a kernel can address.
+
+    False for meta tensors and for tensor subclasses that intercept dispatch (DTensor,
+    FakeTensor, functional wrappers: the Python dispatch key): their ``data_ptr()`` is not the
+    data (it is 0 for a DTensor).
+    """
+    if t.is_meta:
+        return False
+    return type(t) in _PLAIN or not torch._C._dispatch_keys(t).has(_PYTHON_KEY)
+
+
+_PYTHON_KEY = torch._C.DispatchKey.Python
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def check_same_lengths(op: str, tensor_lists: Sequence[Sequence], names: Sequence[str]) -> int:
@@ -117,66 +105,45 @@ def check_rows(op: str, tensor_lists, names, ref_list: int = 1) -> int:
     return n
 
 
-def check_adam_family_lists(op: str, tensor_lists) -> tuple:
-    """Lists of an adam-family op (see ADAM_FAMILY_LIST_NAMES); returns the list names."""
-    forms = ADAM_FAMILY_LIST_NAMES[op]
-    if not isinstance(tensor_lists, (list, tuple)) or len(tensor_lists) not in forms:
-        got = len(tensor_lists) if isinstance(tensor_lists, (list, tuple)) else type(tensor_lists).__name__
-        raise ValueError(
-            f"{op}: tensor_lists must be "
-            + " or ".join(f"[{', '.join(names)}]" for names in forms.values())
-            + f"; got {got} lists"
-        )
-    names = forms[len(tensor_lists)]
-    n = check_rows(op, tensor_lists, names)
-    if n == 0:
-        return names
-    has_master = names[-1] == "masters"
-    param_dtype = check_list_dtype(op, "params", tensor_lists[1], PARAM_DTYPES)
-    state_dtype = torch.float32 if has_master else param_dtype
-    if has_master and param_dtype == torch.float64:
-        raise TypeError(f"{op}: params are float64; fp32 master weights are for fp16/bf16/fp32 params")
-    for li in range(2, len(names)):
-        dtype = check_list_dtype(op, names[li], tensor_lists[li], PARAM_DTYPES)
-        if dtype != state_dtype:
-            raise TypeError(
-                f"{op}: {names[li]} are {dtype} but must be {state_dtype} "
-                + ("(optimizer state and masters are fp32 in the master-weights form)" if has_master
-                   else "(the same dtype as params)")
-            )
-    grad_allowed = (torch.float64,) if param_dtype == torch.float64 else GRAD_DTYPES
-    check_list_dtype(op, "grads", tensor_lists[0], grad_allowed)
-    return names
+def storageless(tensor_lists, names) -> Optional[str]:
+    """The name of the first tensor without real storage (``name[i]``), or None."""
+    for tensors, name in zip(tensor_lists, names):
+        for i, t in enumerate(tensors):
+            if not has_storage(t):
+                return f"{name}[{i}] ({type(t).__name__} on {t.device})"
+    return None
 
 
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def real(op: str, name: str, value) -> float:
+    """A finite real number (or a 1-element tensor holding one), as a float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{op}: {name} must be a number or a 1-element tensor")
+        value = value.item()
+    if not _is_real(value) or not math.isfinite(float(value)):
+        raise ValueError(f"{op}: {name} must be a finite real number, got {value!r}")
+    return float(value)
+
+
 def check_hyperparameters(op: str, *, lr=None, eps=None, beta1=None, beta2=None, ema_decay=None,
                           weight_decay=None, step=None, mode=None) -> None:
     """Scalar hyperparameters: finite, and in the range the update is defined for."""
-    def real(name, value):
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"{op}: {name} must be a number or a 1-element tensor")
-            value = value.item()
-        if not _is_real(value) or not math.isfinite(float(value)):
-            raise ValueError(f"{op}: {name} must be a finite real number, got {value!r}")
-        return float(value)
-
-    if lr is not None and real("lr", lr) < 0.0:
+    if lr is not None and real(op, "lr", lr) < 0.0:
         raise ValueError(f"{op}: invalid learning rate lr={lr}: must be >= 0")
-    if eps is not None and real("eps", eps) < 0.0:
+    if eps is not None and real(op, "eps", eps) < 0.0:
         raise ValueError(f"{op}: invalid epsilon eps={eps}: must be >= 0")
     for name, value in (("beta1", beta1), ("beta2", beta2), ("ema_decay", ema_decay)):
-        if value is not None and not 0.0 <= real(name, value) < 1.0:
+        if value is not None and not 0.0 <= real(op, name, value) < 1.0:
             raise ValueError(f"{op}: invalid {name}={value}: must be in [0, 1)")
-    if weight_decay is not None and real("weight_decay", weight_decay) < 0.0:
+    if weight_decay is not None and real(op, "weight_decay", weight_decay) < 0.0:
         raise ValueError(f"{op}: invalid weight_decay={weight_decay}: must be >= 0")
     if step is not None:
         check_step(op, step)
-    if mode is not None and mode not in (0, 1):
+    if mode is not None and (isinstance(mode, bool) or mode not in (0, 1)):
         raise ValueError(f"{op}: mode must be 0 (Adam, L2 decay) or 1 (AdamW, decoupled decay), got {mode!r}")
 
 
@@ -192,3 +159,16 @@ def check_step(op: str, step) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{op}: step must be a positive integer, got {step!r}")
     return int(value)
+
+
+def check_chunk_size(op: str, chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{op}: chunk_size must be a positive integer, got {chunk_size!r}")
+    return chunk_size
+
+
+def check_list_of_lists(op: str, tensor_lists) -> None:
+    if not isinstance(tensor_lists, (list, tuple)) or not all(
+            isinstance(tensors, (list, tuple)) for tensors in tensor_lists):
+        raise TypeError(f"{op}: tensor_lists must be a list of lists of tensors, got "
+                        f"{type(tensor_lists).__name__}")

@@ -21,7 +21,7 @@ else
         || "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" --index-url "$TORCH_CPU_INDEX"
 fi
 
-build_deps=(setuptools wheel ninja)
+build_deps=(setuptools wheel ninja numpy)
 if [[ "${1:-}" == "--test" ]]; then
     build_deps+=(pytest)
 fi

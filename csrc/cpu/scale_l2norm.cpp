@@ -3,9 +3,13 @@
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstring>
 
-#include "adam_family.h"
+#include "launcher.h"
+#include "pylists.h"
+#include "vec_io.h"
 
 namespace multi_tensor_cpu {
 inline namespace CPU_CAPABILITY {
@@ -33,20 +37,20 @@ bool scale_vec(const S* src, D* dst, int64_t n, opmath_t scale) {
   V a, b;
   int64_t i = 0;
   for (; i + B <= n; i += B) {
-    load2<S, opmath_t>(src + i, a, b);
+    load_block<S, opmath_t>(src + i, B, a, b);
     acc = acc + (a - a);
     acc = acc + (b - b);
-    store2<D, opmath_t>(dst + i, a * sv, b * sv);
+    store_block<D, opmath_t>(dst + i, B, a * sv, b * sv);
   }
   if (i < n) {
     S sb[B];
     D db[B];
     for (int64_t k = 0; k < B; ++k) sb[k] = S(0);
     std::memcpy(sb, src + i, sizeof(S) * (n - i));
-    load2<S, opmath_t>(sb, a, b);
+    load_block<S, opmath_t>(sb, B, a, b);
     acc = acc + (a - a);
     acc = acc + (b - b);
-    store2<D, opmath_t>(db, a * sv, b * sv);
+    store_block<D, opmath_t>(db, B, a * sv, b * sv);
     std::memcpy(dst + i, db, sizeof(D) * (n - i));
   }
   return any_lane_nan(acc);
@@ -113,41 +117,26 @@ bool scale_chunk(const ScaleRow& r, int64_t start, int64_t end, double scale) {
   }
 }
 
-// `tensor_lists` must be exactly names.size() lists of tensors (`form` in errors): unpacks them
-// into `lists` and checks them row by row against list 0. Returns the row count.
-int64_t unpack_checked_lists(const std::string& op, int64_t chunk_size, py::handle tensor_lists,
-                             const std::vector<const char*>& names, const char* form,
-                             std::vector<PyTensorList>& lists) {
-  TORCH_CHECK_VALUE(chunk_size >= 1, op, ": chunk_size must be a positive integer, got ",
-                    chunk_size);
-  PyObject* tl = tensor_lists.ptr();
-  TORCH_CHECK_VALUE(PyList_Check(tl) || PyTuple_Check(tl), op, ": tensor_lists must be ", form,
-                    ", got ", Py_TYPE(tl)->tp_name);
-  const Py_ssize_t nl = PySequence_Fast_GET_SIZE(tl);
-  TORCH_CHECK_VALUE(nl == static_cast<Py_ssize_t>(names.size()), op, ": tensor_lists must be ",
-                    form, ", got ", nl, " lists");
-  lists.resize(names.size());
-  std::vector<PyTensorList*> unpacked;
-  for (size_t k = 0; k < names.size(); ++k) {
-    unpack_list(PySequence_Fast_ITEMS(tl)[k], lists[k], op + ": " + names[k]);
-    unpacked.push_back(&lists[k]);
-  }
-  return check_rows(op, unpacked, names, 0);
+// The lists of a call, checked by the Python front end; returns the row count.
+int64_t unpack_lists(py::handle tensor_lists, size_t count,
+                     std::vector<std::vector<const at::Tensor*>>& lists) {
+  lists.clear();
+  for (py::handle list : tensor_lists) lists.push_back(unpack_tensors(list));
+  TORCH_CHECK(lists.size() == count, "expected ", count, " tensor lists");
+  return static_cast<int64_t>(lists[0].size());
 }
 
 // Returns false (nothing modified) when a dtype is not handled natively; Python then runs the
 // reference implementation.
 bool scale_op(int64_t chunk_size, const std::optional<at::Tensor>& noop, py::handle tensor_lists,
               double scale) {
-  const std::string op = "multi_tensor_scale";
-  std::vector<PyTensorList> lists;
-  const int64_t n =
-      unpack_checked_lists(op, chunk_size, tensor_lists, {"srcs", "dsts"}, "[srcs, dsts]", lists);
-  const PyTensorList& srcs = lists[0];
-  const PyTensorList& dsts = lists[1];
+  std::vector<std::vector<const at::Tensor*>> lists;
+  const int64_t n = unpack_lists(tensor_lists, 2, lists);
+  const auto& srcs = lists[0];
+  const auto& dsts = lists[1];
   if (n == 0) return true;
   for (int64_t i = 0; i < n; ++i) {
-    if (!supported(srcs.items[i]->scalar_type()) || !supported(dsts.items[i]->scalar_type()))
+    if (!supported(srcs[i]->scalar_type()) || !supported(dsts[i]->scalar_type()))
       return false;
   }
   std::vector<ScaleRow> rows(n);
@@ -155,8 +144,8 @@ bool scale_op(int64_t chunk_size, const std::optional<at::Tensor>& noop, py::han
   std::vector<at::Tensor> temps;
   std::vector<std::pair<at::Tensor, at::Tensor>> writeback;
   for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor& s = *srcs.items[i];
-    const at::Tensor& d = *dsts.items[i];
+    const at::Tensor& s = *srcs[i];
+    const at::Tensor& d = *dsts[i];
     numels[i] = d.numel();
     rows[i].st = s.scalar_type();
     rows[i].dt = d.scalar_type();
@@ -186,7 +175,7 @@ bool scale_op(int64_t chunk_size, const std::optional<at::Tensor>& noop, py::han
     });
   }
   for (auto& wb : writeback) wb.first.copy_(wb.second);
-  if (bad.load()) set_noop(noop);
+  if (bad.load()) set_flag(noop);
   return true;
 }
 
@@ -224,19 +213,17 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> l2norm_op(int64_t chunk_size,
                                                             const std::optional<at::Tensor>& noop,
                                                             py::handle tensor_lists,
                                                             bool per_tensor) {
-  const std::string op = "multi_tensor_l2norm";
-  std::vector<PyTensorList> lists;
-  const int64_t n =
-      unpack_checked_lists(op, chunk_size, tensor_lists, {"tensors"}, "[tensors]", lists);
-  const PyTensorList& ts = lists[0];
+  std::vector<std::vector<const at::Tensor*>> lists;
+  const int64_t n = unpack_lists(tensor_lists, 1, lists);
+  const auto& ts = lists[0];
   for (int64_t i = 0; i < n; ++i)
-    if (!supported(ts.items[i]->scalar_type())) return std::nullopt;
+    if (!supported(ts[i]->scalar_type())) return std::nullopt;
   std::vector<const void*> ptrs(n);
   std::vector<c10::ScalarType> dts(n);
   std::vector<int64_t> numels(n);
   std::vector<at::Tensor> temps;
   for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor& t = *ts.items[i];
+    const at::Tensor& t = *ts[i];
     const at::Tensor* use = &t;
     if (!(t.is_contiguous() || t.is_non_overlapping_and_dense())) {
       temps.push_back(t.contiguous());
@@ -283,7 +270,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> l2norm_op(int64_t chunk_size,
   } else {
     per_t = at::zeros({0}, at::TensorOptions().dtype(at::kFloat));
   }
-  if (bad.load()) set_noop(noop);
+  if (bad.load()) set_flag(noop);
   return std::make_tuple(total_t, per_t);
 }
 

@@ -4,8 +4,8 @@ Importing this package registers the reference backend (any device) and, when it
 loads, the native CPU backend. See :mod:`multi_tensor.backends.registry`.
 """
 from . import reference  # noqa: F401  (registers the reference backend)
-from .registry import (Backend, PreparedOp, backend_for, forced_backend, prepare,  # noqa: F401
-                       register_backend, registered_backends, resolve)
+from .registry import (Backend, PreparedOp, backend_for, forced_backend,  # noqa: F401
+                       register_backend, registered_backends)
 
 try:  # the native CPU kernels are optional: without them every op runs on the reference
     from . import native_cpu  # noqa: F401

@@ -4,7 +4,8 @@ The extension is built three times from ``csrc/cpu`` (``multi_tensor._C_avx512``
 ``_C_default``); at import this module loads the best one that
 ``torch.backends.cpu.get_cpu_capability()`` allows (so ``ATEN_CPU_CAPABILITY=avx2`` or
 ``=default`` also selects ours), falling back down the list, and registers it for device type
-``cpu`` above the reference backend. Results are bitwise identical to the reference backend.
+``cpu`` above the reference backend. Results are bitwise identical to the reference backend
+(multi_tensor/rules.py gives the operation order both follow).
 
 If no extension loads, a single warning says why and how to build it, nothing is registered and
 the reference backend runs everything. ``MULTI_TENSOR_DISABLE_NATIVE=1`` skips loading silently.
@@ -21,8 +22,9 @@ from typing import Optional
 
 import torch
 
+from .. import schema
 from . import reference
-from .registry import Backend, PreparedOp, register_backend
+from .registry import Backend, register_backend
 
 BUILD_COMMAND = "pip install --no-build-isolation --use-pep517 -e <repo>  (add `pip install ninja` for speed)"
 
@@ -80,6 +82,20 @@ def _warn_once(reason: str) -> None:
 
 
 def _make_backend(mod) -> Backend:
+    def prepare(op, state_lists, chunk_size):
+        return mod.AdamBucket(state_lists, schema.OPS[op].has_ema, chunk_size)
+
+    def adam_family(op):
+        ema = schema.OPS[op].has_ema
+
+        def impl(chunk_size, noop_flag, tensor_lists, scalars, grad_scale=None,
+                 check_finite=False):
+            bucket = mod.AdamBucket(tensor_lists[1:], ema, chunk_size)
+            if not bucket.bind(tensor_lists[0]):
+                raise RuntimeError(f"native_cpu: {op}: the checked lists did not bind")
+            bucket.run(noop_flag, scalars, grad_scale, check_finite)
+        return impl
+
     def scale(chunk_size, noop_flag, tensor_lists, scale):
         if not mod.scale(chunk_size, noop_flag, tensor_lists, scale):
             # a dtype the kernel does not handle (e.g. float8): the reference does it
@@ -91,23 +107,20 @@ def _make_backend(mod) -> Backend:
             return reference.l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
         return out
 
-    def prepare(op, state_lists, chunk_size):
-        # radam: each call's ema_decay picks the list form, as in the op form (see
-        # PreparedAdamFamily in csrc/cpu/adam_family.h)
-        if op in ("fused_ema_adamw", "adam", "radam"):
-            return mod.PreparedAdamFamily(op, state_lists, chunk_size)
-        impl = BACKEND.ops[op] if BACKEND is not None else getattr(mod, op)
-        return PreparedOp(op, impl, lambda lists: None, state_lists, chunk_size)
-
+    ops = {op: adam_family(op) for op in ADAM_OPS}
+    ops.update(scale=scale, l2norm=l2norm)
     return Backend(
         name="native_cpu",
         device_types=("cpu",),
         priority=10,
-        ops={"fused_ema_adamw": mod.fused_ema_adamw, "adam": mod.adam, "radam": mod.radam,
-             "scale": scale, "l2norm": l2norm},
+        ops=ops,
         prepare=prepare,
-        description=f"C++ {mod.capability} SIMD kernels + at::parallel_for (multi_tensor.{mod.__name__.rsplit('.', 1)[-1]})",
+        description=f"C++ {mod.capability} SIMD kernels + at::parallel_for "
+                    f"(multi_tensor.{mod.__name__.rsplit('.', 1)[-1]})",
     )
+
+
+ADAM_OPS = tuple(name for name, spec in schema.OPS.items() if spec.rule is not None)
 
 
 def _init() -> None:

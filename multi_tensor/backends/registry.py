@@ -1,19 +1,30 @@
-"""Backend registry: which implementation runs an op for a given device.
+"""Backend registry: which implementation runs an op on a given device.
 
-Every multi-tensor op (``fused_ema_adamw``, ``adam``, ``radam``, ``scale``, ``l2norm``) is a name.
-A backend registers the op names it implements for one or more device types with a priority;
-``resolve(op, device)`` returns the highest-priority implementation for ``device.type``. The
-pure-PyTorch reference backend registers for every device type (``"*"``) at the lowest priority,
-so an op always resolves. Optimizers never name a backend: a new one (CUDA, NPU) slots in by
-registering, without touching them.
+A :class:`Backend` names the device types it serves, a priority, and the ops it implements
+(names from :data:`multi_tensor.schema.OPS`). ``backend_for(op, device)`` returns the
+highest-priority backend that implements ``op`` for ``device.type``. The pure-PyTorch reference
+backend serves every device type (``"*"``) at the lowest priority, so an op always resolves.
+Optimizers never name a backend: a new one (say CUDA) is one module that registers itself.
 
-Backend implementations are plain callables with the apex calling convention
-``impl(chunk_size, noop_flag, tensor_lists, *args, **kwargs)``. A backend may also provide a
-``prepare(op, state_lists, chunk_size)`` factory returning a :class:`PreparedOp` that keeps the
-state lists (params, m, v, ...) across steps so that a step only passes the grads.
+Every backend receives input already checked against the op table (:mod:`multi_tensor.schema`)
+and trusts it. Its op implementations take::
+
+    Adam family  impl(chunk_size, noop_flag, tensor_lists, scalars, grad_scale, check_finite)
+    scale        impl(chunk_size, noop_flag, tensor_lists, scale)
+    l2norm       impl(chunk_size, noop_flag, tensor_lists, per_tensor)
+
+where ``scalars`` is a :class:`multi_tensor.rules.StepScalars`. For the optimizers' hot path a
+backend may also provide ``prepare(op, state_lists, chunk_size)`` returning an object with
+``bind(grads) -> bool`` (a cheap per-step check that the grads still fit the bucket, which also
+takes them for the next run) and ``run(noop_flag, scalars, grad_scale, check_finite)``. Without
+one, :class:`PreparedOp` binds the lists in Python.
+
+Tensors without real storage (DTensor, meta, fake) go only to backends that declare
+``tensor_subclasses=True`` (the reference does: it runs plain torch ops, which dispatch through
+such tensors); for the others the front end raises ``TypeError``.
 
 ``MULTI_TENSOR_BACKEND=<name>`` in the environment, or :func:`forced_backend`, restricts
-resolution to one backend (falling back to ``reference`` for ops it does not implement).
+resolution to one backend (ops it does not implement still resolve to ``reference``).
 """
 from __future__ import annotations
 
@@ -36,11 +47,18 @@ class Backend:
     device_types: tuple
     priority: int
     ops: Dict[str, Callable] = field(default_factory=dict)
-    prepare: Optional[Callable] = None  # prepare(op, state_lists, chunk_size) -> PreparedOp
+    prepare: Optional[Callable] = None  # prepare(op, state_lists, chunk_size) -> prepared bucket
+    tensor_subclasses: bool = False     # runs tensors without real storage (DTensor, meta, fake)
     description: str = ""
 
     def handles(self, device_type: str) -> bool:
         return ANY_DEVICE in self.device_types or device_type in self.device_types
+
+    def prepare_bucket(self, op: str, state_lists, chunk_size: int):
+        """The op bound to one bucket's state lists (everything but the grads)."""
+        if self.prepare is not None:
+            return self.prepare(op, state_lists, chunk_size)
+        return PreparedOp(self.ops[op], state_lists, chunk_size)
 
 
 _lock = threading.Lock()
@@ -66,76 +84,77 @@ def registered_backends() -> List[Backend]:
 def _device_type(device) -> str:
     if isinstance(device, torch.device):
         return device.type
+    if isinstance(device, str) and ":" not in device:
+        return device  # e.g. "npu" before torch knows that name
     return torch.device(device).type
 
 
-def backend_for(op: str, device) -> Backend:
-    """The backend that runs ``op`` on ``device`` (a torch.device or device string)."""
+def backend_for(op: str, device, *, tensor_subclasses: bool = False) -> Backend:
+    """The backend that runs ``op`` on ``device`` (a torch.device or device string).
+
+    ``tensor_subclasses``: the tensors have no real storage; only backends that declare they
+    run such tensors qualify.
+    """
     device_type = _device_type(device)
-    key = (op, device_type, _forced[0])
+    forced = _forced[0]
+    key = (op, device_type, forced, tensor_subclasses)
     backend = _resolve_cache.get(key)
     if backend is not None:
         return backend
-    forced = _forced[0]
-    for candidate in _backends:
-        if op not in candidate.ops or not candidate.handles(device_type):
-            continue
-        if forced is not None and candidate.name not in (forced, "reference"):
+    candidates = [b for b in _backends if op in b.ops and b.handles(device_type)]
+    if forced is not None:  # only the forced backend; the reference for ops it lacks
+        chosen = [b for b in candidates if b.name == forced]
+        candidates = chosen or [b for b in candidates if b.name == "reference"]
+    for candidate in candidates:
+        if tensor_subclasses and not candidate.tensor_subclasses:
             continue
         backend = candidate
         break
     if backend is None:
         raise NotImplementedError(
             f"no multi-tensor backend implements op '{op}' for device type '{device_type}'"
-        )
+            + (" with tensors without real storage" if tensor_subclasses else ""))
     _resolve_cache[key] = backend
     return backend
 
 
 class PreparedOp:
-    """An op bound to the state lists of one bucket; each call passes only the grads.
+    """An op bound to one bucket's state lists, for backends without a ``prepare`` of their own.
 
-    The generic form, used for backends without a ``prepare`` factory, prepends the grads to
-    the stored lists and calls the op. ``validate(grads)`` checks a call's grads without running
-    it, so an optimizer can check every bucket before it modifies any. ``step_param_grads``
-    calls with the grads of the params (the first state list), read at call time.
+    ``bind(grads)`` is the cheap per-step check (same count, one allowed dtype, dense, the
+    params' shapes and device); ``run`` calls the op with the bound grads prepended.
     """
 
-    def __init__(self, op: str, impl: Callable, validator: Callable, state_lists, chunk_size: int):
-        self.op = op
+    def __init__(self, impl: Callable, state_lists, chunk_size: int):
         self.impl = impl
-        self.validator = validator
         self.state_lists = [list(tensors) for tensors in state_lists]
         self.chunk_size = chunk_size
+        params = self.state_lists[0]
+        self._shapes = [p.shape for p in params]
+        self._device = params[0].device if params else None
+        self._grad_dtypes = ((torch.float64,) if params and params[0].dtype == torch.float64
+                             else (torch.float16, torch.bfloat16, torch.float32))
+        self._grads = None
 
-    def validate(self, grads) -> None:
-        self.validator([grads] + self.state_lists)
-
-    def __call__(self, grads, noop_flag, *args, **kwargs):
-        return self.impl(self.chunk_size, noop_flag, [grads] + self.state_lists, *args, **kwargs)
-
-    def step_param_grads(self, noop_flag, *args, **kwargs) -> bool:
-        """Call with the ``.grad`` of the params (the first state list); ``False``, running
-        nothing, when any of them has no grad. Native backends do this without a Python list."""
-        grads = [p.grad for p in self.state_lists[0]]
-        if any(g is None for g in grads):
+    def bind(self, grads) -> bool:
+        self._grads = None
+        if len(grads) != len(self._shapes):
             return False
-        self(grads, noop_flag, *args, **kwargs)
+        if grads:
+            dtype = grads[0].dtype if grads[0] is not None else None
+            if dtype not in self._grad_dtypes:
+                return False
+            for g, shape in zip(grads, self._shapes):
+                if (g is None or g.dtype != dtype or g.shape != shape or g.device != self._device
+                        or g.layout != torch.strided):
+                    return False
+        self._grads = list(grads)
         return True
 
-
-def prepare(op: str, state_lists, chunk_size: int, validator: Callable):
-    """Bind ``op`` to a bucket's state lists on the backend that runs it for their device."""
-    device = state_lists[0][0].device
-    backend = backend_for(op, device)
-    if backend.prepare is not None:
-        return backend.prepare(op, state_lists, chunk_size)
-    return PreparedOp(op, backend.ops[op], validator, state_lists, chunk_size)
-
-
-def resolve(op: str, device) -> Callable:
-    """The implementation of ``op`` for ``device``."""
-    return backend_for(op, device).ops[op]
+    def run(self, noop_flag, scalars, grad_scale=None, check_finite=False) -> None:
+        grads, self._grads = self._grads, None
+        self.impl(self.chunk_size, noop_flag, [grads] + self.state_lists, scalars, grad_scale,
+                  check_finite)
 
 
 @contextlib.contextmanager

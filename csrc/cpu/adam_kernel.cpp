@@ -1,0 +1,260 @@
+// The CPU Adam-family kernel: one pass per element in registers (load grad, weights, m, v, ema;
+// the update of csrc/include/adam_rule.h; store), over the chunk table of a bucket.
+//
+// Compiled with -ffp-contract=off: every multiply and add stays its own IEEE operation. sqrt and
+// division are the hardware's correctly rounded instructions (through at::vec), so the bits are
+// the reference backend's (multi_tensor/rules.py gives the order).
+#include "adam_kernel.h"
+
+#include <atomic>
+
+namespace multi_tensor_cpu {
+inline namespace CPU_CAPABILITY {
+
+namespace {
+
+using multi_tensor_rules::AdamScalars;
+
+// P: param storage, G: grad storage, M: math type (float, or double for fp64 buckets).
+// MASTER: the update runs on fp32 masters and the param receives the rounded master.
+template <typename P, typename G, typename M, bool MASTER, bool EMA>
+struct AdamKernel {
+  using V = Vectorized<M>;
+  using S = std::conditional_t<MASTER, float, P>;  // m, v, ema (and master) storage
+  static constexpr int64_t B = block_size<M>();
+
+  static inline void block(const AdamScalars<M>& c, const Row& r, int64_t i, int64_t n) {
+    const G* gp = static_cast<const G*>(r.p[kGrad]) + i;
+    P* pp = static_cast<P*>(r.p[kParam]) + i;
+    S* mp = static_cast<S*>(r.p[kExpAvg]) + i;
+    S* vp = static_cast<S*>(r.p[kExpAvgSq]) + i;
+    S* wp = MASTER ? static_cast<S*>(r.p[kMaster]) + i : reinterpret_cast<S*>(pp);
+    S* sp = EMA ? static_cast<S*>(r.p[kEma]) + i : nullptr;
+    V g[2], w[2], m[2], v[2], s[2];
+    load_block<G, M>(gp, n, g[0], g[1]);
+    load_block<S, M>(wp, n, w[0], w[1]);
+    load_block<S, M>(mp, n, m[0], m[1]);
+    load_block<S, M>(vp, n, v[0], v[1]);
+    if constexpr (EMA) load_block<S, M>(sp, n, s[0], s[1]);
+    for (int h = 0; h < 2; ++h) multi_tensor_rules::adam_update<EMA>(c, g[h], w[h], m[h], v[h], s[h]);
+    store_block<S, M>(mp, n, m[0], m[1]);
+    store_block<S, M>(vp, n, v[0], v[1]);
+    if constexpr (EMA) store_block<S, M>(sp, n, s[0], s[1]);
+    if constexpr (MASTER) store_block<S, M>(wp, n, w[0], w[1]);
+    store_block<P, M>(pp, n, w[0], w[1]);
+  }
+
+  static void run(const Chunk* chunks, int64_t count, const Row* rows, const void* scalars) {
+    // A local copy: stores through the data pointers cannot alias it, so the scalars stay in
+    // registers across the loop.
+    const AdamScalars<M> c = *static_cast<const AdamScalars<M>*>(scalars);
+    for (int64_t k = 0; k < count; ++k) {
+      const Chunk& ch = chunks[k];
+      const Row& r = rows[ch.row];
+      int64_t i = ch.start;
+      for (; i + B <= ch.end; i += B) block(c, r, i, B);
+      if (i < ch.end) block(c, r, i, ch.end - i);
+    }
+  }
+};
+
+template <typename P, typename M, bool MASTER, bool EMA>
+KernelFn for_grad(c10::ScalarType gt) {
+  if constexpr (std::is_same_v<M, double>) {
+    return &AdamKernel<double, double, double, false, EMA>::run;
+  } else {
+    switch (gt) {
+      case c10::kFloat: return &AdamKernel<P, float, float, MASTER, EMA>::run;
+      case c10::kHalf: return &AdamKernel<P, c10::Half, float, MASTER, EMA>::run;
+      default: return &AdamKernel<P, c10::BFloat16, float, MASTER, EMA>::run;
+    }
+  }
+}
+
+template <bool EMA>
+KernelFn for_param(c10::ScalarType pt, c10::ScalarType gt, bool master) {
+  switch (pt) {
+    case c10::kDouble: return for_grad<double, double, false, EMA>(gt);
+    case c10::kFloat:
+      return master ? for_grad<float, float, true, EMA>(gt) : for_grad<float, float, false, EMA>(gt);
+    case c10::kHalf:
+      return master ? for_grad<c10::Half, float, true, EMA>(gt)
+                    : for_grad<c10::Half, float, false, EMA>(gt);
+    default:
+      return master ? for_grad<c10::BFloat16, float, true, EMA>(gt)
+                    : for_grad<c10::BFloat16, float, false, EMA>(gt);
+  }
+}
+
+template <typename M>
+AdamScalars<M> round_scalars(py::handle h, const std::optional<at::Tensor>& grad_scale) {
+  auto f = [&](const char* name) { return static_cast<M>(h.attr(name).cast<double>()); };
+  auto b = [&](const char* name) { return h.attr(name).cast<bool>(); };
+  AdamScalars<M> c;
+  c.beta1 = f("beta1");
+  c.omb1 = f("omb1");
+  c.beta2 = f("beta2");
+  c.omb2 = f("omb2");
+  c.l2_wd = f("l2_wd");
+  c.lr_wd = f("lr_wd");
+  c.isb2 = f("isb2");
+  c.eps = f("eps");
+  c.step_size = f("step_size");
+  c.ema_w = f("ema_w");
+  c.l2 = b("l2");
+  c.decoupled = b("decoupled");
+  c.use_denom = b("use_denom");
+  c.maximize = b("maximize");
+  c.ema = b("ema");
+  c.has_scale = grad_scale.has_value() && grad_scale->defined();
+  c.inv_scale = M(1);
+  if (c.has_scale) {
+    const M scale = static_cast<M>(grad_scale->reshape({-1})[0].item<double>());
+    c.inv_scale = M(1) / scale;
+  }
+  return c;
+}
+
+template <typename G>
+bool grads_nonfinite(const std::vector<Chunk>& chunks, int64_t total, const std::vector<Row>& rows) {
+  std::atomic<bool> bad{false};
+  launch(chunks, total, [&](const Chunk& ch) {
+    using M = std::conditional_t<std::is_same_v<G, double>, double, float>;
+    const G* g = static_cast<const G*>(rows[ch.row].p[kGrad]) + ch.start;
+    if (has_nonfinite<G, M>(g, ch.end - ch.start)) bad.store(true, std::memory_order_relaxed);
+  });
+  return bad.load();
+}
+
+bool is_direct(const at::Tensor& ref, const at::Tensor& t) { return same_layout(ref, t); }
+
+}  // namespace
+
+AdamBucket::AdamBucket(py::handle state_lists, bool ema, int64_t chunk_size)
+    : ema_(ema), chunk_size_(chunk_size) {
+  for (py::handle list : state_lists) {
+    std::vector<at::Tensor> ts;
+    for (const at::Tensor* t : unpack_tensors(list)) ts.push_back(*t);
+    state_.push_back(std::move(ts));
+  }
+  master_ = state_.size() == (ema ? 5u : 4u);
+  const auto& params = state_[0];
+  param_dtype_ = params.empty() ? c10::kFloat : params[0].scalar_type();
+  state_dtype_ = master_ ? c10::kFloat : param_dtype_;
+  slots_ = {kParam, kExpAvg, kExpAvgSq};
+  if (ema_) slots_.push_back(kEma);
+  if (master_) slots_.push_back(kMaster);
+}
+
+// The per-step check that the grads still fit the bucket (count, dtype, shape, CPU, dense with
+// real storage) and that no state tensor changed size or dtype (`p.data = x` may swap one),
+// fused with gathering the data pointers. Anything unexpected returns false: the optimizer then
+// plans afresh, and its full check names the problem.
+bool AdamBucket::bind(py::handle grads) {
+  const auto gs = unpack_tensors(grads);
+  const auto& params = state_[0];
+  const size_t n = params.size();
+  grads_.clear();
+  if (gs.size() != n) return false;
+  if (n == 0) return true;
+  if (!gs[0]) return false;
+  const auto gt = gs[0]->scalar_type();
+  const bool grad_ok = param_dtype_ == c10::kDouble
+                           ? gt == c10::kDouble
+                           : (gt == c10::kFloat || gt == c10::kHalf || gt == c10::kBFloat16);
+  if (!grad_ok) return false;
+  grad_dtype_ = gt;
+  rows_.assign(n, Row{});
+  staged_.clear();
+  bool resized = numels_.size() != n;
+  if (resized) numels_.assign(n, 0);
+  grads_.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor* g = gs[i];
+    const at::Tensor& p = params[i];
+    if (!g || g->scalar_type() != gt || !g->is_cpu() || g->layout() != c10::kStrided ||
+        g->key_set().has(c10::DispatchKey::Python) || !g->sizes().equals(p.sizes()) ||
+        p.scalar_type() != param_dtype_)
+      return false;
+    const int64_t numel = p.numel();
+    bool direct = is_direct(p, *g);
+    for (size_t k = 1; k < state_.size(); ++k) {
+      const at::Tensor& t = state_[k][i];
+      if (t.numel() != numel || t.scalar_type() != state_dtype_) return false;
+      direct = direct && is_direct(p, t);
+    }
+    grads_.push_back(*g);
+    if (numels_[i] != numel) {
+      numels_[i] = numel;
+      resized = true;
+    }
+    if (numel == 0) continue;
+    if (!direct) {
+      staged_.push_back(static_cast<int64_t>(i));
+      continue;
+    }
+    Row& r = rows_[i];
+    r.p[kGrad] = const_cast<void*>(g->const_data_ptr());
+    for (size_t k = 0; k < state_.size(); ++k) r.p[slots_[k]] = state_[k][i].mutable_data_ptr();
+  }
+  if (resized) total_ = build_chunks(numels_, chunk_size_, chunks_);
+  return true;
+}
+
+void AdamBucket::run(const std::optional<at::Tensor>& noop_flag, py::handle scalars,
+                     const std::optional<at::Tensor>& grad_scale, bool check_finite) {
+  TORCH_CHECK(grads_.size() == state_[0].size(), "AdamBucket.run() before a successful bind()");
+  std::vector<at::Tensor> grads = std::move(grads_);
+  grads_.clear();
+  if (grads.empty() || flag_is_set(noop_flag)) return;
+  // Rows whose tensors do not share one dense layout run on contiguous copies.
+  std::vector<std::pair<at::Tensor, at::Tensor>> writeback;
+  for (int64_t i : staged_) {
+    Row& r = rows_[i];
+    at::Tensor g = grads[i].contiguous();
+    grads[i] = g;
+    r.p[kGrad] = const_cast<void*>(g.const_data_ptr());
+    for (size_t k = 0; k < state_.size(); ++k) {
+      const at::Tensor& t = state_[k][i];
+      at::Tensor tmp = t.contiguous();
+      if (!tmp.is_same(t)) writeback.emplace_back(t, tmp);
+      r.p[slots_[k]] = tmp.mutable_data_ptr();
+    }
+  }
+  const bool fp64 = param_dtype_ == c10::kDouble;
+  AdamScalars<float> cf;
+  AdamScalars<double> cd;
+  if (fp64) {
+    cd = round_scalars<double>(scalars, grad_scale);
+  } else {
+    cf = round_scalars<float>(scalars, grad_scale);
+  }
+  const KernelFn fn = ema_ ? for_param<true>(param_dtype_, grad_dtype_, master_)
+                           : for_param<false>(param_dtype_, grad_dtype_, master_);
+  const void* c = fp64 ? static_cast<const void*>(&cd) : static_cast<const void*>(&cf);
+  bool skipped = false;
+  {
+    py::gil_scoped_release nogil;
+    if (check_finite) {
+      switch (grad_dtype_) {
+        case c10::kFloat: skipped = grads_nonfinite<float>(chunks_, total_, rows_); break;
+        case c10::kDouble: skipped = grads_nonfinite<double>(chunks_, total_, rows_); break;
+        case c10::kHalf: skipped = grads_nonfinite<c10::Half>(chunks_, total_, rows_); break;
+        default: skipped = grads_nonfinite<c10::BFloat16>(chunks_, total_, rows_); break;
+      }
+    }
+    if (!skipped) {
+      launch_ranges(chunks_, total_, [&](const Chunk* first, int64_t count) {
+        fn(first, count, rows_.data(), c);
+      });
+    }
+  }
+  if (skipped) {
+    set_flag(noop_flag);
+    return;
+  }
+  for (auto& [dst, src] : writeback) dst.copy_(src);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace multi_tensor_cpu

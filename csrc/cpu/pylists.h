@@ -1,0 +1,47 @@
+// Python lists of tensors as the C++ side reads them. The Python front ends have already checked
+// every list (multi_tensor/schema.py); this only unpacks, without touching reference counts.
+#pragma once
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+namespace multi_tensor_cpu {
+inline namespace CPU_CAPABILITY {
+
+namespace py = pybind11;
+
+// The at::Tensor behind each item of a list or tuple (nullptr for an item that is not a tensor).
+inline std::vector<const at::Tensor*> unpack_tensors(py::handle obj) {
+  PyObject* seq = obj.ptr();
+  TORCH_CHECK_TYPE(PyList_Check(seq) || PyTuple_Check(seq), "expected a list of tensors, got ",
+                   Py_TYPE(seq)->tp_name);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<const at::Tensor*> out(n);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    out[i] = THPVariable_Check(items[i]) ? &THPVariable_Unpack(items[i]) : nullptr;
+  return out;
+}
+
+inline bool flag_is_set(const std::optional<at::Tensor>& flag) {
+  if (!flag.has_value() || !flag->defined() || flag->numel() == 0) return false;
+  return flag->reshape({-1})[0].item<double>() != 0.0;
+}
+
+inline void set_flag(const std::optional<at::Tensor>& flag) {
+  if (flag.has_value() && flag->defined()) flag->fill_(1);
+}
+
+// True when a and b address their elements identically, so one flat index serves both.
+inline bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_contiguous() && b.is_contiguous()) return true;
+  return a.strides().equals(b.strides()) && a.is_non_overlapping_and_dense();
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace multi_tensor_cpu

@@ -1,0 +1,36 @@
+// The Adam-family element update, device-neutral: the operation order of multi_tensor/rules.py,
+// written once for any arithmetic type V (a SIMD vector on the CPU, a scalar in a GPU thread).
+//
+// V needs +, -, *, / (each one correctly rounded IEEE operation, compiled without FMA
+// contraction), construction from a scalar T, and two free functions found by argument-dependent
+// lookup or overloads: ieee_sqrt(V) (correctly rounded) and negate(V) (flips the sign bit).
+// The scalars are multi_tensor.rules.StepScalars, each rounded once from double to T by the
+// backend; a GPU kernel mirrors this function line for line.
+#pragma once
+
+namespace multi_tensor_rules {
+
+template <typename T>
+struct AdamScalars {
+  T beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w;
+  T inv_scale;  // T(1) / grad_scale, when has_scale
+  bool l2, decoupled, use_denom, maximize, ema, has_scale;
+};
+
+// One element (or one vector of elements). g: the grad converted to T; w: the weights (fp32
+// master or param), m, v, s: state, all in T. Updates w, m, v and, with EMA, s.
+template <bool EMA, typename V, typename T>
+inline void adam_update(const AdamScalars<T>& c, V g, V& w, V& m, V& v, V& s) {
+  if (c.has_scale) g = g * V(c.inv_scale);
+  if (c.maximize) g = negate(g);
+  if (c.l2) g = g + V(c.l2_wd) * w;
+  m = V(c.beta1) * m + V(c.omb1) * g;
+  v = V(c.beta2) * v + (V(c.omb2) * g) * g;
+  const V u = c.use_denom ? m / (ieee_sqrt(v) * V(c.isb2) + V(c.eps)) : m;
+  V wn = c.decoupled ? w - V(c.lr_wd) * w : w;
+  wn = wn - V(c.step_size) * u;
+  if constexpr (EMA) s = s + V(c.ema_w) * (wn - s);
+  w = wn;
+}
+
+}  // namespace multi_tensor_rules

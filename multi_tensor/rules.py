@@ -1,0 +1,138 @@
+r"""The update rules: hyperparameters by name, per-step scalars, and the one operation order.
+
+Every backend (the reference, each native CPU build, the GPU kernel) computes exactly what this
+page says, so all of them give the same bits for the same inputs.
+
+Hyperparameters travel from the optimizers to the backends as an :class:`AdamHyper` (a frozen
+dataclass, fields by name). Per step, :func:`step_scalars` turns it into a :class:`StepScalars`:
+every scalar the element math needs, computed once in double precision (Python floats) from the
+formula, and then rounded once to the bucket's math type (fp32; fp64 for fp64 tensors) by the
+backend. No backend recomputes a scalar in its own way.
+
+The element math, in fp32 (fp64 for fp64 buckets). Each line is one correctly rounded IEEE
+operation (round to nearest even; sqrt and division correctly rounded; no fused multiply-add).
+``w`` is the weight the update runs on: the fp32 master when the bucket has masters, else the
+param. ``c.*`` are the :class:`StepScalars` fields rounded to the math type::
+
+    g  = grad                                  # converted exactly to fp32
+    g  = g * inv_scale                         # with a grad_scale: inv_scale = fp32(1) / scale
+    g  = -g                                    # maximize
+    g  = g + c.l2_wd * w                       # Adam (L2) decay, weight_decay != 0
+    m  = c.beta1 * m + c.omb1 * g
+    v  = c.beta2 * v + (c.omb2 * g) * g
+    u  = m / (sqrt(v) * c.isb2 + c.eps)        # c.use_denom (always, except un-rectified RAdam)
+    u  = m                                     # not c.use_denom
+    w' = w - c.lr_wd * w                       # decoupled (AdamW) decay, weight_decay != 0
+    w' = w' - c.step_size * u                  # (w' is w when there is no decoupled decay)
+    s  = s + c.ema_w * (w' - s)                # with an EMA: the unbiased (lerp) form
+    param = round(w')                          # with masters: the param gets the master rounded
+                                               # once to its dtype; m, v, s, w' stored rounded once
+
+This is the seed operator's formula (SPEC section 2) in exact arithmetic:
+``(m / bc1) / (sqrt(v / bc2) + eps) * lr == (lr / bc1) * m / (sqrt(v) * (1 / sqrt(bc2)) + eps)``,
+and ``d * s + (1 - d) * p == s + (1 - d) * (p - s)``. It costs one sqrt and one division per
+element. The EMA is written in its unbiased form because in fp32 the literal form's two
+coefficients ``fp32(d)`` and ``fp32(1 - d)`` do not sum to 1: at d = 0.9999 the EMA of a constant
+would converge to c * (1 - 1.7e-4).
+
+RAdam (``torch.optim.RAdam``) is the same element math with other scalars: ``isb2 = 1`` and
+``step_size = lr * rect * sqrt(bc2) / bc1`` when ``rho_t > 5``; otherwise ``use_denom`` is off and
+``step_size = lr / bc1``. Its decoupled decay is ``w - (lr * wd) * w`` like AdamW's (torch forms
+``w * (1 - lr * wd)``: the same in exact arithmetic).
+
+fp64 buckets follow the same order in fp64 with correctly rounded fp64 sqrt and division.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+ADAM = "adam"
+RADAM = "radam"
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """The hyperparameters of one Adam-family update, by name.
+
+    ``decoupled``: AdamW's decoupled weight decay (True) or Adam's L2 decay added to the grad.
+    ``ema_decay``: None when the op keeps no EMA. ``rule``: :data:`ADAM` or :data:`RADAM`
+    (RAdam always bias-corrects; ``bias_correction`` is ignored there).
+    """
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float = 0.0
+    decoupled: bool = True
+    bias_correction: bool = True
+    maximize: bool = False
+    ema_decay: Optional[float] = None
+    rule: str = ADAM
+
+
+class StepScalars(NamedTuple):
+    """Every scalar of one step, in double; a backend rounds each once to its math type.
+
+    Field order is the native kernel's struct order (``csrc/include/adam_rule.h``).
+    """
+
+    beta1: float
+    omb1: float        # 1 - beta1
+    beta2: float
+    omb2: float        # 1 - beta2
+    l2_wd: float       # weight_decay in L2 mode (else 0)
+    lr_wd: float       # lr * weight_decay in decoupled mode (else 0)
+    isb2: float        # 1 / sqrt(bc2) (Adam), 1 (RAdam)
+    eps: float
+    step_size: float   # lr / bc1 (Adam); lr * rect * sqrt(bc2) / bc1 or lr / bc1 (RAdam)
+    ema_w: float       # 1 - ema_decay (0 without an EMA)
+    l2: bool
+    decoupled: bool
+    use_denom: bool
+    maximize: bool
+    ema: bool
+
+
+def radam_rect(beta2: float, step: int) -> Optional[float]:
+    """RAdam's rectification term at ``step`` (torch.optim.RAdam's formula), None if rho_t <= 5."""
+    rho_inf = 2.0 / (1.0 - beta2) - 1.0
+    bc2 = 1.0 - beta2 ** step
+    rho_t = rho_inf - 2.0 * step * beta2 ** step / bc2
+    if not rho_t > 5.0:
+        return None
+    return math.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf
+                     / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
+
+
+def step_scalars(h: AdamHyper, step: int) -> StepScalars:
+    """The scalars of update number ``step`` (>= 1), in double."""
+    wd = float(h.weight_decay)
+    has_wd = wd != 0.0
+    use_denom = True
+    if h.rule == RADAM:
+        bc1 = 1.0 - h.beta1 ** step
+        bc2 = 1.0 - h.beta2 ** step
+        rect = radam_rect(h.beta2, step)
+        isb2 = 1.0
+        if rect is None:
+            use_denom = False
+            step_size = h.lr / bc1
+        else:
+            step_size = h.lr * rect * math.sqrt(bc2) / bc1
+    else:
+        bc1, bc2 = ((1.0 - h.beta1 ** step, 1.0 - h.beta2 ** step) if h.bias_correction
+                    else (1.0, 1.0))
+        isb2 = 1.0 / math.sqrt(bc2)
+        step_size = h.lr / bc1
+    ema = h.ema_decay is not None
+    return StepScalars(
+        beta1=float(h.beta1), omb1=1.0 - h.beta1, beta2=float(h.beta2), omb2=1.0 - h.beta2,
+        l2_wd=wd if has_wd and not h.decoupled else 0.0,
+        lr_wd=h.lr * wd if has_wd and h.decoupled else 0.0,
+        isb2=isb2, eps=float(h.eps), step_size=step_size,
+        ema_w=1.0 - h.ema_decay if ema else 0.0,
+        l2=has_wd and not h.decoupled, decoupled=has_wd and h.decoupled,
+        use_denom=use_denom, maximize=bool(h.maximize), ema=ema)
