@@ -7,7 +7,9 @@ Hyperparameters travel from the optimizers to the backends as an :class:`AdamHyp
 dataclass, fields by name). Per step, :func:`step_scalars` turns it into a :class:`StepScalars`:
 every scalar the element math needs, computed once in double precision (Python floats) from the
 formula, and then rounded once to the bucket's math type (fp32; fp64 for fp64 tensors) by the
-backend. No backend recomputes a scalar in its own way.
+backend. Only correctly rounded double operations are used (``+ - * /``, ``sqrt``, and
+``beta ** step`` as :func:`power`'s fixed chain of multiplications), so a device that must
+compute the scalars itself (a step counter kept on the device) can reproduce them bit for bit.
 
 The element math, in fp32 (fp64 for fp64 buckets). Each line is one correctly rounded IEEE
 operation (round to nearest even; sqrt and division correctly rounded; no fused multiply-add).
@@ -96,11 +98,28 @@ class StepScalars(NamedTuple):
     ema: bool
 
 
+def power(x: float, n: int) -> float:
+    """``x ** n`` for an integer ``n >= 0`` by binary exponentiation in double.
+
+    A fixed sequence of correctly rounded multiplications (relative error below ``2 * log2(n)``
+    ulps of double), so a device can compute the same bits from a step held on the device,
+    where ``pow`` libraries differ in their last bit.
+    """
+    result, base = 1.0, float(x)
+    while n:
+        if n & 1:
+            result *= base
+        base *= base
+        n >>= 1
+    return result
+
+
 def radam_rect(beta2: float, step: int) -> Optional[float]:
     """RAdam's rectification term at ``step`` (torch.optim.RAdam's formula), None if rho_t <= 5."""
     rho_inf = 2.0 / (1.0 - beta2) - 1.0
-    bc2 = 1.0 - beta2 ** step
-    rho_t = rho_inf - 2.0 * step * beta2 ** step / bc2
+    b2t = power(beta2, step)
+    bc2 = 1.0 - b2t
+    rho_t = rho_inf - 2.0 * step * b2t / bc2
     if not rho_t > 5.0:
         return None
     return math.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf
@@ -113,8 +132,8 @@ def step_scalars(h: AdamHyper, step: int) -> StepScalars:
     has_wd = wd != 0.0
     use_denom = True
     if h.rule == RADAM:
-        bc1 = 1.0 - h.beta1 ** step
-        bc2 = 1.0 - h.beta2 ** step
+        bc1 = 1.0 - power(h.beta1, step)
+        bc2 = 1.0 - power(h.beta2, step)
         rect = radam_rect(h.beta2, step)
         isb2 = 1.0
         if rect is None:
@@ -123,8 +142,8 @@ def step_scalars(h: AdamHyper, step: int) -> StepScalars:
         else:
             step_size = h.lr * rect * math.sqrt(bc2) / bc1
     else:
-        bc1, bc2 = ((1.0 - h.beta1 ** step, 1.0 - h.beta2 ** step) if h.bias_correction
-                    else (1.0, 1.0))
+        bc1, bc2 = ((1.0 - power(h.beta1, step), 1.0 - power(h.beta2, step))
+                    if h.bias_correction else (1.0, 1.0))
         isb2 = 1.0 / math.sqrt(bc2)
         step_size = h.lr / bc1
     ema = h.ema_decay is not None
