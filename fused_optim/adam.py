@@ -23,8 +23,9 @@ _UPDATE_DOC = r"""
                   # the weight_decay * p term (old p) in AdamW (decoupled) mode only
         bc1 = 1 - beta1^t, bc2 = 1 - beta2^t    (1 and 1 without bias correction)
 
-    This is torch's Adam/AdamW up to rounding: torch applies AdamW's decay as ``p *= 1 - lr * wd``
-    before the update and forms ``m / bc1 / (sqrt(v) / sqrt(bc2) + eps)`` in another order.
+    The exact operation order is :mod:`multi_tensor.rules`'. This is torch's Adam/AdamW up to
+    rounding: torch applies AdamW's decay as ``p *= 1 - lr * wd`` before the update, updates m
+    with ``lerp`` and forms ``m / bc1 / (sqrt(v) / sqrt(bc2) + eps)``.
 """
 
 

@@ -23,9 +23,9 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         v   = beta2 * v + (1 - beta2) * g^2
         p   = p - lr * ( (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p )   # decay term
                                                            only in adam_w_mode (decoupled)
-        ema = ema_decay * ema + (1 - ema_decay) * p
+        ema = ema + (1 - ema_decay) * (p - ema)          (= ema_decay * ema + (1 - ema_decay) * p)
 
-    All of it is one multi-tensor engine call per (device, dtype) bucket per step, reading each
+    The operation order every backend follows, bit for bit, is :mod:`multi_tensor.rules`'. All of it is one multi-tensor engine call per (device, dtype) bucket per step, reading each
     of grad, p, m, v, ema once and writing p, m, v, ema once.
 
     Args:

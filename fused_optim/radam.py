@@ -13,18 +13,18 @@ from .ema import EmaAccessMixin
 class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
     r"""``torch.optim.RAdam``, fused, optionally with an EMA of the weights in the same pass.
 
-    Per element, in fp32 (fp64 for fp64 params), t = the param's step (torch's formula and op
-    order; the exact sequence is :func:`multi_tensor.backends.reference.radam`'s)::
+    Per element, in fp32 (fp64 for fp64 params), t = the param's step (torch's formula; the exact
+    operation order, shared with Adam, is :mod:`multi_tensor.rules`')::
 
         g   = grad                 (unscaled by GradScaler's scale inside the op; -grad if maximize)
-        p   = p * (1 - lr * weight_decay)         decoupled_weight_decay
+        p   = p - (lr * weight_decay) * p         decoupled_weight_decay
         g   = g + weight_decay * p                otherwise (L2)
-        m   = lerp(m, g, 1 - beta1);   v = beta2 * v + (1 - beta2) * g^2
+        m   = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g^2
         rho_inf = 2 / (1 - beta2) - 1;   rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t)
         rho_t > 5:  rect = sqrt((rho_t-4)(rho_t-2) rho_inf / ((rho_inf-4)(rho_inf-2) rho_t))
                     p = p - lr * m / (1 - beta1^t) * sqrt(1 - beta2^t) / (sqrt(v) + eps) * rect
         otherwise:  p = p - lr * m / (1 - beta1^t)
-        ema = ema_decay * ema + (1 - ema_decay) * p          only with an ema_decay (new p)
+        ema = ema + (1 - ema_decay) * (p - ema)               only with an ema_decay (new p)
 
     Args:
         params, lr, betas, eps, weight_decay, decoupled_weight_decay, maximize: as
