@@ -3,13 +3,17 @@
 Install (torch must already be installed; it is deliberately NOT a dependency, so pip never
 fetches a multi-GB CUDA build)::
 
-    pip install ninja                                   # optional, parallel + faster builds
-    pip install --no-build-isolation --use-pep517 -e .  # editable / development install
-    pip install --no-build-isolation --use-pep517 .     # regular install
+    pip install .                                       # kernels built on first import
+    pip install --no-build-isolation .                  # kernels built now, against this torch
+    pip install --no-build-isolation --use-pep517 -e .  # development
 
-``--no-build-isolation`` is required: the C++ extensions are built against the torch that is
-already installed in this environment. Build time (2 cores, gcc 12, ninja): about 90 s for all
-three ISA builds (one unity translation unit each, built concurrently).
+A plain ``pip install .`` builds in an isolated environment where torch is not importable, so
+the C++ kernels cannot be built there: the wheel then carries the C++ sources
+(``multi_tensor/_csrc``) and the first ``import multi_tensor`` compiles the build this CPU needs
+into a cache (``multi_tensor/build.py``; about 40 s on 2 cores, said on stderr). With
+``--no-build-isolation`` all three ISA builds are compiled at install time (about 90 s on 2 cores
+with ninja, built concurrently). Either way the kernels exist before the first step: never a
+silent pure-Python install.
 
 What gets built: the native CPU backend (``csrc/cpu``) compiled three times from the same sources
 into ``multi_tensor._C_avx512``, ``multi_tensor._C_avx2`` and ``multi_tensor._C_default``; at
@@ -18,44 +22,58 @@ import ``multi_tensor.backends.native_cpu`` picks the best one that
 ``-march=native``: one build runs on any x86-64 CPU.
 
 Environment:
-    FUSED_OPTIM_NO_EXT=1   install pure Python (the reference backend runs everything)
+    FUSED_OPTIM_NO_EXT=1   build no extension now (first use builds one, unless FUSED_OPTIM_NO_JIT=1)
     MAX_JOBS=N             parallel compile jobs (honoured by torch's BuildExtension/ninja)
     FUSED_OPTIM_CPU_ISAS   comma list restricting the builds, e.g. "avx512,default"
 
-If torch is not importable at build time, the package installs as pure Python.
 Check the result with ``python -m multi_tensor.env``.
 """
+import importlib.util
 import os
 import platform
+import shutil
 import threading
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# The same sources per ISA; -ffp-contract=off keeps GCC from fusing a*b+c into an FMA, which
-# would change the bits relative to the reference backend.
-# One unity TU per ISA: csrc/cpu/isa/unity_<isa>.cpp includes csrc/cpu/unity.cpp, which includes
-# adam_family.cpp, scale_l2norm.cpp and module.cpp (distinct paths -> distinct object files).
-COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17",
-                "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
-ISA_FLAGS = {
-    "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
-               "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-    "default": ["-DCPU_CAPABILITY=DEFAULT"],
-}
+
+def _load_build_module():
+    """multi_tensor/build.py on its own (the package itself needs torch at import)."""
+    spec = importlib.util.spec_from_file_location("_fused_optim_build",
+                                                  os.path.join(HERE, "multi_tensor", "build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILD = _load_build_module()
+
+
+class BuildPyWithSources(build_py):
+    """Ship the C++ sources inside the package (multi_tensor/_csrc) for first-use builds."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "multi_tensor", "_csrc")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(os.path.join(HERE, "csrc"), target,
+                        ignore=shutil.ignore_patterns("*.o", "*.so", "__pycache__"))
 
 
 def _ext_modules():
     if os.environ.get("FUSED_OPTIM_NO_EXT", "0") not in ("", "0"):
-        print("fused-optim: FUSED_OPTIM_NO_EXT set; installing pure Python")
+        print("fused-optim: FUSED_OPTIM_NO_EXT set; the kernels are built on first use")
         return [], {}
     try:
         import torch  # noqa: F401
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except Exception as exc:  # torch missing or broken: pure Python install
-        print(f"fused-optim: torch not importable ({exc}); installing pure Python")
+    except Exception as exc:  # an isolated build: torch is not importable here
+        print(f"fused-optim: torch is not importable in this build environment ({exc}); the "
+              f"C++ sources are installed and the kernels are built on first import "
+              f"(or now: pip install --no-build-isolation .)")
         return [], {}
 
     isas = ["avx512", "avx2", "default"]
@@ -70,10 +88,8 @@ def _ext_modules():
             name=f"multi_tensor._C_{isa}",
             sources=[f"csrc/cpu/isa/unity_{isa}.cpp"],
             include_dirs=[os.path.join(HERE, "csrc", "cpu")],
-            extra_compile_args=COMMON_FLAGS + ISA_FLAGS[isa],
-            # torch ships libgomp.so.1 and loads it first; linking -fopenmp resolves to that copy,
-            # so torch.set_num_threads() governs our parallel regions too.
-            extra_link_args=["-fopenmp"],
+            extra_compile_args=BUILD.COMMON_FLAGS + BUILD.ISA_FLAGS[isa],
+            extra_link_args=BUILD.LINK_FLAGS,
         ))
     base = BuildExtension.with_options(use_ninja=_have_ninja())
     tls = threading.local()
@@ -124,6 +140,7 @@ def _have_ninja():
 
 
 ext_modules, cmdclass = _ext_modules()
+cmdclass["build_py"] = BuildPyWithSources
 
 setup(
     name="fused-optim",

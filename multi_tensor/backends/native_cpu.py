@@ -7,6 +7,8 @@ The extension is built three times from ``csrc/cpu`` (``multi_tensor._C_avx512``
 ``cpu`` above the reference backend. Results are bitwise identical to the reference backend
 (multi_tensor/rules.py gives the operation order both follow).
 
+A package installed without prebuilt extensions (plain ``pip install .``) compiles the best one on
+first import into a cache (:mod:`multi_tensor.build`; ``FUSED_OPTIM_NO_JIT=1`` turns that off).
 If no extension loads, a single warning says why and how to build it, nothing is registered and
 the reference backend runs everything. ``MULTI_TENSOR_DISABLE_NATIVE=1`` skips loading silently.
 
@@ -22,11 +24,11 @@ from typing import Optional
 
 import torch
 
-from .. import schema
+from .. import build, schema
 from . import reference
 from .registry import Backend, register_backend
 
-BUILD_COMMAND = "pip install --no-build-isolation --use-pep517 -e <repo>  (add `pip install ninja` for speed)"
+BUILD_COMMAND = "python -m multi_tensor.build (or pip install --no-build-isolation .)"
 
 # Best first; each entry: (module suffix, capability name, capabilities that allow it).
 _CANDIDATES = (
@@ -50,21 +52,30 @@ def _cpu_capability() -> str:
 
 
 def _load():
-    """Import the best allowed extension module; returns (module, capability, error)."""
+    """The best allowed extension module: prebuilt (installed with the package), else built on
+    first use into the cache (:mod:`multi_tensor.build`). Returns (module, capability, error)."""
     cpu_cap = _cpu_capability()
+    allowed = [(suffix, cap) for suffix, cap, allowed_by in _CANDIDATES if cpu_cap in allowed_by]
     errors = []
-    for suffix, cap, allowed_by in _CANDIDATES:
-        if cpu_cap not in allowed_by:
-            continue
+    for suffix, cap in allowed:
         try:
-            mod = importlib.import_module(f"multi_tensor.{suffix}")
-        except Exception as exc:  # ImportError, or an ABI mismatch surfacing as OSError etc.
+            return importlib.import_module(f"multi_tensor.{suffix}"), cap, None
+        except ModuleNotFoundError:
+            continue  # not built ahead of time
+        except Exception as exc:  # an ABI mismatch surfacing as ImportError/OSError etc.
             errors.append(f"multi_tensor.{suffix}: {type(exc).__name__}: {exc}")
-            continue
-        return mod, cap, None
-    if not errors:
-        errors.append(f"no extension module is usable for CPU capability {cpu_cap}")
-    return None, None, "; ".join(errors)
+    if not allowed:
+        return None, None, f"no extension module is usable for CPU capability {cpu_cap}"
+    suffix, cap = allowed[0]
+    if os.environ.get("FUSED_OPTIM_NO_JIT", "0") not in ("", "0"):
+        errors.append(f"multi_tensor.{suffix} is not built and FUSED_OPTIM_NO_JIT is set")
+        return None, None, "; ".join(errors)
+    isa = suffix[len("_C_"):]
+    try:
+        return build.load(isa, build.build(isa)), cap, None
+    except Exception as exc:  # BuildError, or a built module that does not load
+        errors.append(f"first-use build of multi_tensor.{suffix}: {type(exc).__name__}: {exc}")
+        return None, None, "; ".join(errors)
 
 
 def _warn_once(reason: str) -> None:
