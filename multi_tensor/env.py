@@ -10,7 +10,7 @@ import importlib
 import os
 import sys
 
-OPS = ("fused_ema_adamw", "adam", "radam", "scale", "l2norm")
+OPS = ("fused_ema_adamw", "adam", "radam", "radam_ema", "scale", "l2norm")
 
 
 def _device_types():

@@ -178,9 +178,9 @@ bool AdamBucket::bind(py::handle grads) {
   grad_dtype_ = gt;
   rows_.assign(n, Row{});
   staged_.clear();
-  bool resized = numels_.size() != n;
-  if (resized) numels_.assign(n, 0);
-  grads_.reserve(n);
+  std::vector<int64_t> numels(n);
+  std::vector<at::Tensor> bound;
+  bound.reserve(n);
   // The metadata of thousands of small tensors is scattered over the heap, so this loop is bound
   // by cache misses: prefetch a few rows ahead (TensorImpl, then StorageImpl).
   constexpr size_t kAhead = 16;
@@ -206,11 +206,8 @@ bool AdamBucket::bind(py::handle grads) {
       if (t.numel() != numel || t.scalar_type() != state_dtype_) return false;
       direct = direct && is_direct(p, t);
     }
-    grads_.push_back(*g);
-    if (numels_[i] != numel) {
-      numels_[i] = numel;
-      resized = true;
-    }
+    bound.push_back(*g);
+    numels[i] = numel;
     if (numel == 0) continue;
     if (!direct) {
       staged_.push_back(static_cast<int64_t>(i));
@@ -220,7 +217,12 @@ bool AdamBucket::bind(py::handle grads) {
     r.p[kGrad] = const_cast<void*>(g->const_data_ptr());
     for (size_t k = 0; k < state_.size(); ++k) r.p[slots_[k]] = state_[k][i].mutable_data_ptr();
   }
-  if (resized) total_ = build_chunks(numels_, chunk_size_, chunks_);
+  // Only a bind that succeeds changes the chunk table (a refused one leaves the bucket as it was).
+  if (numels != numels_) {
+    numels_ = std::move(numels);
+    total_ = build_chunks(numels_, chunk_size_, chunks_);
+  }
+  grads_ = std::move(bound);
   return true;
 }
 

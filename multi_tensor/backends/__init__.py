@@ -4,8 +4,10 @@ Importing this package registers the reference backend (any device) and, when it
 loads, the native CPU backend. See :mod:`multi_tensor.backends.registry`.
 """
 from . import reference  # noqa: F401  (registers the reference backend)
+from . import npu  # noqa: F401  (Ascend NPU, device type "npu"; torch_npu imported only on use)
+from . import triton_gpu  # noqa: F401  (registers the CUDA Triton backend; imports triton lazily)
 from .registry import (Backend, PreparedOp, backend_for, forced_backend,  # noqa: F401
-                       register_backend, registered_backends)
+                       register_backend, registered_backends, unregister_backend)
 
 try:  # the native CPU kernels are optional: without them every op runs on the reference
     from . import native_cpu  # noqa: F401

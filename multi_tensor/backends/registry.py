@@ -77,6 +77,13 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
+def unregister_backend(name: str) -> None:
+    """Remove a backend by name (no error if it is not registered)."""
+    with _lock:
+        _backends[:] = [b for b in _backends if b.name != name]
+        _resolve_cache.clear()
+
+
 def registered_backends() -> List[Backend]:
     return list(_backends)
 

@@ -1,0 +1,525 @@
+r"""The Ascend NPU backend: flat buckets, one ``aclnnApplyFusedEmaAdam`` launch per bucket.
+
+Registered for device type ``"npu"`` (the name torch_npu gives PrivateUse1) at import, *without*
+importing torch_npu: installing torch-npu without CANN breaks ``import torch`` itself, so
+torch_npu is imported only when a bucket of tensors on an ``npu`` device is prepared (by then
+the caller has imported it anyway) and when the CANN operator is loaded.
+
+What a bucket is here (:class:`FlatAdamBucket`). The flat layout itself is an engine
+capability, :mod:`multi_tensor.backends.flat` (device- and op-agnostic; its docstring says why it
+is not wired into the CPU and GPU backends, whose kernels already take any number of tensors in
+one launch):
+
+* **Flat state.** At ``prepare`` the bucket's optimizer state (``exp_avg``, ``exp_avg_sq``,
+  ``ema``, fp32 ``master_param``) goes into one contiguous buffer per kind, one layout for all
+  of them (views start every 512 bytes); the existing values are copied in once and every state
+  tensor in ``optimizer.state`` is re-pointed at its view (``Tensor.set_``): same objects, same
+  ``state_dict`` format. ``load_state_dict`` replaces the state tensors and clears the plans, so
+  the next step simply flattens again. State that is already flat in this layout (a re-built
+  plan) is used as is, without a copy.
+* **Params.** With fp32 masters the update runs on the flat masters and the params receive the
+  masters rounded once, in one multi-tensor copy (``torch._foreach_copy_``). Without masters the
+  params are the op's ``var``: gathered into a flat buffer and copied back per step, unless
+  they already tile one buffer without gaps (Megatron's param buffer: detected, then that buffer
+  *is* ``var`` and nothing is copied; a param reallocated later is noticed at the next ``bind``).
+* **Grads.** Gathered per step into a flat buffer of the update's dtype in one multi-tensor copy
+  (fp16/bf16 grads converted exactly into the fp32 buffer of fp32 masters), or - opt in by
+  laying them out that way - used in place when they already are views of one buffer in the
+  bucket's layout without gaps (Megatron-style grad buffers): no copy at all.
+* **One launch.** The update is one call of CANN's fused EMA-Adam operator over the five flat
+  buffers (MindSpeed's ``npu_apply_fused_ema_adamw`` when MindSpeed is installed, else a small
+  binding, ``csrc/npu/fused_ema_adam.cpp``, compiled on first use by
+  :mod:`multi_tensor.backends.npu_builder`). Grad unscale and the inf/NaN check run on the flat
+  grad buffer, one launch each (both in one: ``torch._amp_foreach_non_finite_check_and_unscale_``).
+
+Numerics (the package's contract is bitwise equality with the reference backend):
+
+* ``MULTI_TENSOR_NPU_OP=torch`` (**the default**): the flat buffers run the reference backend's
+  own code (:func:`multi_tensor.backends.reference.adam_family` on one-element lists: one flat
+  tensor per list *is* the bucket), i.e. ``multi_tensor/rules.py``'s operation order with one
+  torch op per line, about 25 launches per bucket whatever its number of params. On the CPU
+  stand-in this is bitwise equal to the unflattened reference (tested). On an NPU it is as
+  exact as torch_npu's elementwise ops: bitwise if CANN's fp32 division and the fp64 sqrt the
+  reference uses are correctly rounded, which CANN does not document; ``tools/npu_check.py``
+  measures it.
+* ``MULTI_TENSOR_NPU_OP=cann``: the fast path, opt in. CANN's op updates var, m and v in one
+  launch, then one ``lerp_`` takes the EMA in the package's unbiased form
+  ``s + (1 - d) * (var' - s)`` (the op is called with ``ema_decay=1``, which leaves ``s``
+  untouched). The op's step arguments are *folded*: it is called with ``bias_correction=False``
+  and a constant step tensor ``[1]`` (int64, kept on the device: no per-step host-to-device
+  copy), and with ``lr' = lr * sqrt(bc2) / bc1``, ``eps' = eps * sqrt(bc2)``,
+  ``weight_decay' = lr * weight_decay / lr'`` (AdamW; Adam's L2 decay passes unchanged), which
+  is the same update in exact arithmetic, from the engine's own per-step scalars
+  (:func:`multi_tensor.rules.step_scalars`, EMA schedules included), so no engine hook for the
+  step count is needed. Results differ from the reference by rounding only; tolerance:
+  ``tools/npu_check.py`` (``m``, ``v`` within 4 ulp; ``var``, ``s`` within 4 ulp of the value
+  plus 2^-20 of the step's own change).
+* ``MULTI_TENSOR_NPU_OP=cann_literal``: one launch, the op's own EMA ``d*s + (1-d)*var'``. In
+  fp32 its two coefficients need not sum to 1, and the EMA of a constant can settle up to
+  ~1.7e-4 (relative, d = 0.9999) away from it; ``tools/npu_check.py`` measures the drift.
+
+Where the op cannot serve, the same flat buffers run the torch path (the default's code) for
+that step: ``maximize``; the ``adam``, ``radam`` and ``radam_ema`` ops (no EMA in the op, or
+RAdam's un-rectified steps); fp64; grads whose dtype does not convert exactly into the
+update's dtype (fp32 grads of bf16 params without masters); a grad scale with fp16/bf16 state
+(unscaled grads would be rounded to fp16/bf16); chips without the operator (CANN ships it for
+Atlas A2/A3 and Ascend 950 only: :data:`SUPPORTED_CHIP_PREFIXES`); an operator that fails to
+load (warned once). ``noop_flag`` is read on the host once per step (one sync), as the
+reference does. The base class's device-step protocol (``run_device_step``: step counter and
+``found_inf`` on the device, no sync) is not offered: CANN's operator has no skip flag, so an
+overflow step could not be skipped without reading the flag on the host.
+
+Everything that touches CANN (the binding, its build, the op's rounding, the chip check, the
+step times) is verified only on Ascend hardware with ``tools/npu_check.py``; the rest runs on
+CPU CI through :mod:`multi_tensor.backends.npu_standin` (this backend registered for ``"cpu"``
+with the device operator replaced).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .. import schema
+from ..rules import StepScalars
+from . import flat, reference
+from .registry import Backend, register_backend
+
+OP_MODES = ("torch", "cann", "cann_literal")
+CANN_OPS = ("fused_ema_adamw",)
+CANN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_CHIP_PREFIXES = ("Ascend910B", "Ascend910_93", "Ascend950")
+"""``torch_npu.npu.get_device_name()`` prefixes of chips with ``aclnnApplyFusedEmaAdam``
+(Atlas A2 training series "Ascend910B*", Atlas A3 "Ascend910_93*", Ascend 950)."""
+
+MAX_LAUNCH_NUMEL = 2 ** 30
+"""Elements per operator launch; larger buckets take several launches over slices (a guard: CANN
+documents no size limit, this keeps any 32-bit element index inside the kernel safe)."""
+
+TORCH_PATH_SLICE = 2 ** 26
+"""Elements per slice on the torch path (bounds its temporaries; elementwise, so exact)."""
+
+_mode_lock = threading.Lock()
+_mode: List[str] = [os.environ.get("MULTI_TENSOR_NPU_OP", "") or "torch"]
+_warned: set = set()
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in OP_MODES:
+        raise ValueError(f"multi_tensor NPU backend: unknown op mode {mode!r} "
+                         f"(MULTI_TENSOR_NPU_OP or set_op_mode); choose one of {OP_MODES}")
+    return mode
+
+
+def get_op_mode() -> str:
+    """The current path: ``"torch"`` (default, exact), ``"cann"`` or ``"cann_literal"``."""
+    return _check_mode(_mode[0])
+
+
+def set_op_mode(mode: str) -> None:
+    """Choose the path for every NPU bucket from the next step on (see the module docstring)."""
+    with _mode_lock:
+        _mode[0] = _check_mode(mode)
+
+
+@contextlib.contextmanager
+def op_mode(mode: str) -> Iterator[None]:
+    """Within the block, use ``mode`` (``set_op_mode``), then restore the previous one."""
+    with _mode_lock:
+        previous = _mode[0]
+        _mode[0] = _check_mode(mode)
+    try:
+        yield
+    finally:
+        with _mode_lock:
+            _mode[0] = previous
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+# --- the device operator ----------------------------------------------------------------------
+
+def _ensure_torch_npu() -> None:
+    import torch_npu  # noqa: F401  (only ever for tensors on an npu device)
+
+
+def load_device_op() -> Tuple[Callable, str]:
+    """CANN's fused EMA-Adam operator as a Python callable, and where it came from.
+
+    ``fn(grad, var, m, v, s, step, lr, ema_decay, beta1, beta2, eps, mode, bias_correction,
+    weight_decay) -> (var, m, v, s)``, in place (MindSpeed's signature). MindSpeed's op when
+    MindSpeed is installed (``MULTI_TENSOR_NPU_BINDING=auto``, the default, or ``mindspeed``),
+    else this package's binding, compiled on first use (``builtin``).
+    """
+    _ensure_torch_npu()
+    which = os.environ.get("MULTI_TENSOR_NPU_BINDING", "auto") or "auto"
+    if which not in ("auto", "mindspeed", "builtin"):
+        raise ValueError(f"MULTI_TENSOR_NPU_BINDING={which!r}: choose auto, mindspeed or builtin")
+    if which in ("auto", "mindspeed"):
+        try:
+            import importlib
+
+            module = importlib.import_module("mindspeed.ops.npu_apply_fused_ema_adamw")
+        except ImportError:
+            if which == "mindspeed":
+                raise
+        else:
+            builder = getattr(module, "fused_ema_adamw_op_builder", None)
+            if builder is not None:  # MindSpeed compiles on first call: do it now, to fail here
+                builder.load()
+            return module.npu_apply_fused_ema_adamw, "mindspeed"
+    from . import npu_builder
+
+    module = npu_builder.FusedEmaAdamBuilder().load()
+    return module.npu_apply_fused_ema_adamw, f"multi_tensor ({npu_builder.FusedEmaAdamBuilder.NAME})"
+
+
+def _device_name(device: torch.device) -> str:
+    import torch_npu
+
+    index = device.index if device.index is not None else torch_npu.npu.current_device()
+    return str(torch_npu.npu.get_device_name(index))
+
+
+class DeviceOp:
+    """The device operator of one backend, loaded on first use; ``None`` and a reason if unusable.
+
+    ``fn``: a given callable (the CPU stand-in's), else :func:`load_device_op` on first use.
+    """
+
+    def __init__(self, fn: Optional[Callable] = None):
+        self._fn = fn
+        self.source = "given" if fn is not None else None
+        self._error: Optional[str] = None
+        self._chips: Dict[Optional[int], Optional[str]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device) -> Tuple[Optional[Callable], Optional[str]]:
+        if device.type == "npu":
+            if device.index not in self._chips:
+                name = _device_name(device)
+                self._chips[device.index] = (
+                    None if name.startswith(SUPPORTED_CHIP_PREFIXES) else
+                    f"{name} has no aclnnApplyFusedEmaAdam (Atlas A2/A3 and Ascend 950 only)")
+            why = self._chips[device.index]
+            if why is not None:
+                return None, why
+        with self._lock:
+            if self._fn is None and self._error is None:
+                try:
+                    self._fn, self.source = load_device_op()
+                except Exception as exc:  # no MindSpeed and the binding did not build, ...
+                    self._error = f"{type(exc).__name__}: {exc}"
+        if self._fn is None:
+            return None, f"the CANN operator did not load ({self._error})"
+        return self._fn, None
+
+
+# --- the per-step scalars, folded into the operator's arguments --------------------------------
+
+def fold_scalars(c: StepScalars) -> Dict[str, float]:
+    """The operator's ``lr, eps, weight_decay, mode`` for one step, bias correction folded in.
+
+    The operator is called with ``bias_correction=False`` (so its step is irrelevant) and::
+
+        lr' = step_size / isb2 = lr * sqrt(bc2) / bc1      eps' = eps / isb2 = eps * sqrt(bc2)
+        weight_decay' = lr_wd / lr'   (AdamW)              weight_decay' = l2_wd   (Adam, L2)
+
+    so that ``var - lr' * (m / (sqrt(v) + eps') + wd' * var)`` is, in exact arithmetic, the
+    reference's ``var - lr_wd * var - step_size * m / (sqrt(v) * isb2 + eps)``.
+    """
+    lr = c.step_size / c.isb2
+    if c.l2:
+        wd, mode = c.l2_wd, 0
+    else:
+        wd, mode = (c.lr_wd / lr if c.decoupled and lr != 0.0 else 0.0), 1
+    return {"lr": float(lr), "eps": float(c.eps / c.isb2), "weight_decay": float(wd),
+            "mode": int(mode)}
+
+
+# --- a bucket -------------------------------------------------------------------------------------
+
+class FlatAdamBucket:
+    """One bucket of an Adam-family op in flat buffers (see the module docstring).
+
+    ``state_lists``: ``[params, exp_avgs, exp_avg_sqs(, emas)(, masters)]``. ``repoint``: re-point
+    the state tensors at their views (the optimizer's plans); False copies them in and out per
+    run (a one-shot functional call on the caller's tensors).
+
+    Diagnostics: ``last_path`` ("torch"/"cann"/"cann_literal"/None when nothing ran),
+    ``last_reason`` (why the torch path ran in a cann mode), ``stats`` (counters).
+    """
+
+    @torch.no_grad()
+    def __init__(self, op: str, state_lists, chunk_size: int, device_op: DeviceOp, *,
+                 repoint: bool = True):
+        spec = schema.OPS[op]
+        self.op = op
+        self.chunk_size = chunk_size
+        self.ema = spec.has_ema
+        n_moments = 3 if self.ema else 2
+        self.params: List[torch.Tensor] = list(state_lists[0])
+        self.has_master = len(state_lists) == 2 + n_moments
+        self.device_op = device_op
+        params = self.params
+        self.device = params[0].device if params else torch.device("cpu")
+        if self.device.type == "npu":
+            _ensure_torch_npu()
+        self.param_dtype = params[0].dtype if params else torch.float32
+        self.work_dtype = torch.float32 if self.has_master else self.param_dtype
+        self.math_dtype = reference.math_dtype(self.work_dtype)
+        self._grad_dtypes = ((torch.float64,) if self.param_dtype == torch.float64
+                             else (torch.float16, torch.bfloat16, torch.float32))
+        self.shapes = [p.shape for p in params]
+
+        adopted = flat.FlatLayout.of_views(params) if params else None
+        self.layout = adopted or flat.FlatLayout.packed(
+            self.shapes, flat.align_elements([self.work_dtype, self.param_dtype]))
+        # params that tile one buffer: that buffer (read and written in place / in one copy)
+        self.param_region = (flat.alias(params, self.layout, self.param_dtype, self.device)
+                             if adopted is not None else None)
+        self._param_ptrs = ([p.data_ptr() for p in params] if self.param_region is not None
+                            else None)
+        moments = [flat.FlatList.adopt(ts, self.layout, self.work_dtype, self.device,
+                                       repoint_ok=repoint) for ts in state_lists[1:]]
+        self.exp_avg, self.exp_avg_sq = moments[0], moments[1]
+        self.ema_list = moments[2] if self.ema else None
+        self.masters = moments[-1] if self.has_master else None
+        self.state = moments
+        if self.has_master:
+            self.weights = self.masters
+        elif self.param_region is not None:
+            self.weights = flat.FlatList(params, self.param_region,
+                                         self.layout.views(self.param_region), False, False)
+        else:
+            self.weights = flat.FlatList.adopt(params, self.layout, self.work_dtype, self.device,
+                                               repoint_ok=False)
+        self._grad_buffers: Dict[torch.dtype, Tuple[torch.Tensor, List[torch.Tensor]]] = {}
+        self._step_one: Optional[torch.Tensor] = None
+        self._grads = None
+        self.last_path: Optional[str] = None
+        self.last_reason: Optional[str] = None
+        self.stats = {"runs": 0, "skipped": 0, "torch": 0, "cann": 0, "launches": 0,
+                      "grad_gathers": 0, "grad_alias": 0,
+                      "prepare_copies": sum(1 for fl in moments if fl.copied)}
+
+    # --- per step -----------------------------------------------------------------------------
+    def bind(self, grads) -> bool:
+        """Whether ``grads`` fit the bucket (count, one allowed dtype, shapes, device, dense)."""
+        self._grads = None
+        if len(grads) != len(self.shapes):
+            return False
+        if grads:
+            dtype = grads[0].dtype if grads[0] is not None else None
+            if dtype not in self._grad_dtypes:
+                return False
+            for g, shape in zip(grads, self.shapes):
+                if (g is None or g.dtype != dtype or g.shape != shape or g.device != self.device
+                        or g.layout != torch.strided):
+                    return False
+        if self._param_ptrs is not None and [p.data_ptr() for p in self.params] != self._param_ptrs:
+            return False  # a param was reallocated: it no longer lives in the flat buffer
+        self._grads = list(grads)
+        return True
+
+    @torch.no_grad()
+    def run(self, noop_flag, scalars: StepScalars, grad_scale=None, check_finite=False) -> None:
+        grads, self._grads = self._grads, None
+        if grads is None:
+            raise RuntimeError("FlatAdamBucket.run() without a successful bind()")
+        self.last_path = None
+        if not grads or self.layout.total == 0:
+            return
+        if reference._noop_is_set(noop_flag):
+            self.stats["skipped"] += 1
+            return
+        g_flat, owned = self._gather(grads)
+        path, reason = self._choose(scalars, grad_scale, g_flat.dtype)
+        if not self.has_master:  # masters are in self.state
+            self.weights.stage_in()
+        for fl in self.state:
+            fl.stage_in()
+        if path == "torch":
+            ran = self._run_torch(g_flat, scalars, grad_scale, check_finite, noop_flag)
+        else:
+            ran = self._run_cann(g_flat, owned, scalars, grad_scale, check_finite, noop_flag,
+                                 literal=path == "cann_literal")
+        if not ran:
+            self.stats["skipped"] += 1
+            return
+        for fl in self.state:
+            fl.stage_out()
+        if self.has_master:  # the param gets the master rounded once
+            if self.param_region is not None:
+                self.param_region.copy_(self.masters.flat)
+            else:
+                flat.copy_all(self.params, self.masters.views)
+        else:
+            self.weights.stage_out()
+        self.stats["runs"] += 1
+        self.stats["torch" if path == "torch" else "cann"] += 1
+        self.last_path, self.last_reason = path, reason
+
+    # --- pieces -------------------------------------------------------------------------------
+    def _grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.work_dtype if flat.converts_exactly(dtype, self.work_dtype) else dtype
+
+    def _grad_buffer(self, dtype: torch.dtype) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        buf = self._grad_buffers.get(dtype)
+        if buf is None:
+            flat_g = flat.allocate(self.layout, dtype, self.device)
+            buf = self._grad_buffers[dtype] = (flat_g, self.layout.views(flat_g))
+        return buf
+
+    def _gather(self, grads) -> Tuple[torch.Tensor, bool]:
+        """The flat grads in the update's dtype: ``(tensor, owned)``; owned buffers may be written."""
+        dtype = self._grad_dtype(grads[0].dtype)
+        if self.layout.gap_free:
+            region = flat.alias(grads, self.layout, grads[0].dtype, self.device, writable=False)
+            if region is not None:
+                if region.dtype == dtype:
+                    self.stats["grad_alias"] += 1
+                    return region, False
+                buf, _ = self._grad_buffer(dtype)  # one buffer, one converting copy
+                buf.copy_(region)
+                self.stats["grad_gathers"] += 1
+                return buf, True
+        buf, views = self._grad_buffer(dtype)
+        flat.copy_all(views, grads)
+        self.stats["grad_gathers"] += 1
+        return buf, True
+
+    def _choose(self, c: StepScalars, grad_scale, grad_dtype) -> Tuple[str, Optional[str]]:
+        mode = get_op_mode()
+        if mode == "torch":
+            return "torch", None
+        reason = None
+        if self.op not in CANN_OPS:
+            reason = f"op {self.op} (the operator serves fused_ema_adamw only)"
+        elif c.maximize:
+            reason = "maximize"
+        elif self.work_dtype not in CANN_DTYPES:
+            reason = f"{self.work_dtype} (the operator takes fp16, bf16, fp32)"
+        elif grad_dtype != self.work_dtype:
+            reason = f"{grad_dtype} grads do not convert exactly into {self.work_dtype}"
+        elif grad_scale is not None and self.work_dtype != torch.float32:
+            reason = f"a grad scale with {self.work_dtype} state (unscaled grads would round)"
+        else:
+            fn, why = self.device_op.get(self.device)
+            if fn is None:
+                reason = why
+                _warn_once("load:" + str(why), f"multi_tensor NPU backend: {why}; NPU buckets run "
+                           f"the exact torch path instead")
+        if reason is not None:
+            return "torch", reason
+        return mode, None
+
+    def _run_torch(self, g_flat, c, grad_scale, check_finite, noop_flag) -> bool:
+        """The reference's own code on the flat buffers: bitwise what the reference computes."""
+        if check_finite and not bool(torch.isfinite(g_flat).all()):
+            noop_flag.fill_(1)
+            return False
+        kinds = [g_flat, self.weights.flat, self.exp_avg.flat, self.exp_avg_sq.flat]
+        if self.ema:
+            kinds.append(self.ema_list.flat)
+        total = self.layout.total
+        for start in range(0, total, TORCH_PATH_SLICE):
+            n = min(TORCH_PATH_SLICE, total - start)
+            lists = [[t.narrow(0, start, n)] for t in kinds]
+            reference.adam_family(self.chunk_size, None, lists, c, grad_scale, False)
+        return True
+
+    def _run_cann(self, g_flat, owned, c, grad_scale, check_finite, noop_flag, *,
+                  literal: bool) -> bool:
+        fn, _ = self.device_op.get(self.device)
+        g = g_flat
+        if (grad_scale is not None or check_finite) and not owned:
+            buf, _ = self._grad_buffer(g_flat.dtype)  # never unscale the caller's grads in place
+            buf.copy_(g_flat)
+            g = buf
+        if grad_scale is not None or check_finite:
+            dt = self.math_dtype
+            one = torch.ones((), dtype=dt, device=self.device)
+            inv = (one / grad_scale.reshape(()).to(device=self.device, dtype=dt)
+                   if grad_scale is not None else one)
+            if check_finite:  # one launch: check and unscale
+                found = torch.zeros(1, dtype=torch.float32, device=self.device)
+                torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv.reshape(1))
+                if bool(found.item() != 0):
+                    noop_flag.fill_(1)
+                    return False
+            else:
+                g.mul_(inv)
+        if self._step_one is None:
+            self._step_one = torch.ones(1, dtype=torch.int64, device=self.device)
+        args = fold_scalars(c)
+        ema_decay = float(1.0 - c.ema_w) if literal else 1.0
+        w, m, v, s = (self.weights.flat, self.exp_avg.flat, self.exp_avg_sq.flat,
+                      self.ema_list.flat)
+        total = self.layout.total
+        for start in range(0, total, MAX_LAUNCH_NUMEL):
+            n = min(MAX_LAUNCH_NUMEL, total - start)
+            outs = (w.narrow(0, start, n), m.narrow(0, start, n), v.narrow(0, start, n),
+                    s.narrow(0, start, n))
+            result = fn(g.narrow(0, start, n), *outs, self._step_one, args["lr"], ema_decay,
+                        float(c.beta1), float(c.beta2), args["eps"], args["mode"], False,
+                        args["weight_decay"])
+            _take_results(result, outs)
+            self.stats["launches"] += 1
+        if not literal and c.ema_w != 0.0:
+            s.lerp_(w, float(c.ema_w))  # the unbiased EMA, one launch
+        return True
+
+
+def _take_results(result, outs) -> None:
+    """The operator works in place; if a binding returned new tensors, copy them back."""
+    if not isinstance(result, (tuple, list)):
+        return
+    for got, want in zip(result, outs):
+        if isinstance(got, torch.Tensor) and got.data_ptr() != want.data_ptr():
+            want.copy_(got)
+
+
+# --- the backend ----------------------------------------------------------------------------------
+
+ADAM_OPS = tuple(name for name, spec in schema.OPS.items() if spec.rule is not None)
+
+
+def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
+                 device_op: Optional[Callable] = None, description: Optional[str] = None) -> Backend:
+    """A flat-bucket backend. The registered one serves ``"npu"`` and loads CANN's operator on
+    first use; :mod:`multi_tensor.backends.npu_standin` makes CPU copies with another operator.
+    """
+    op_holder = DeviceOp(device_op)
+
+    def prepare(op, state_lists, chunk_size):
+        return FlatAdamBucket(op, state_lists, chunk_size, op_holder)
+
+    def adam_impl(op):
+        def impl(chunk_size, noop_flag, tensor_lists, scalars, grad_scale=None,
+                 check_finite=False):
+            bucket = FlatAdamBucket(op, tensor_lists[1:], chunk_size, op_holder, repoint=False)
+            if not bucket.bind(tensor_lists[0]):
+                raise RuntimeError(f"{name}: {op}: the checked lists did not bind")
+            bucket.run(noop_flag, scalars, grad_scale, check_finite)
+        return impl
+
+    backend = Backend(
+        name=name, device_types=tuple(device_types), priority=priority,
+        ops={op: adam_impl(op) for op in ADAM_OPS}, prepare=prepare,
+        description=description or ("flat buckets, one CANN aclnnApplyFusedEmaAdam launch per "
+                                    "bucket (MULTI_TENSOR_NPU_OP=cann) or the exact torch path "
+                                    "(default); torch_npu imported on first use"))
+    backend.device_op = op_holder  # for diagnostics (tools/npu_check.py)
+    return backend
+
+
+BACKEND = register_backend(make_backend())

@@ -1,0 +1,230 @@
+"""The NPU backend's registration and its CANN binding's contract, without an NPU.
+
+* a subprocess: the backend resolves for "npu" (after ``rename_privateuse1_backend``) and
+  ``torch_npu`` is never imported;
+* a fake ``torch_npu`` and a fake compiled binding injected into ``sys.modules``: the real loader
+  (no MindSpeed) finds the binding, and the binding sees what CANN's operator requires (one
+  dtype, one shape, contiguous, an int64 ``[1]`` step on the device, doubles, an int mode, a
+  bool bias_correction), once per bucket per step;
+* MindSpeed's op is preferred when it imports; a chip without the operator falls back; a
+  binding that does not load warns once and the exact path runs;
+* the builder's arguments (sources, include paths, libraries) without compiling anything;
+* ``tools/npu_check.py --stand-in`` runs end to end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from fused_optim import FusedEmaAdamW
+from multi_tensor import forced_backend
+from multi_tensor.backends import npu, npu_builder, npu_standin
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STANDIN = "npu_standin"
+
+
+def test_resolves_for_npu_without_importing_torch_npu():
+    code = (
+        "import json, sys, torch\n"
+        "import multi_tensor, fused_optim\n"
+        "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
+        "fused_optim.FusedEmaAdamW([p]).step()\n"
+        "before = multi_tensor.backend_for('fused_ema_adamw', 'npu').name\n"
+        "torch.utils.rename_privateuse1_backend('npu')\n"
+        "names = {op: multi_tensor.backend_for(op, torch.device('npu')).name\n"
+        "         for op in ('fused_ema_adamw', 'adam', 'radam', 'radam_ema', 'scale', 'l2norm')}\n"
+        "names['npu:1'] = multi_tensor.backend_for('fused_ema_adamw', 'npu:1').name\n"
+        "print(json.dumps(dict(before=before, names=names,\n"
+        "                      torch_npu='torch_npu' in sys.modules)))\n")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MULTI_TENSOR_BACKEND", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["torch_npu"] is False
+    assert out["before"] == "npu"
+    assert out["names"] == {"fused_ema_adamw": "npu", "adam": "npu", "radam": "npu",
+                            "radam_ema": "npu", "scale": "reference", "l2norm": "reference",
+                            "npu:1": "npu"}
+
+
+# --- a fake torch_npu and a fake compiled binding ---------------------------------------------------
+
+class ContractBinding:
+    """Stands for the compiled module: checks every launch against CANN's contract."""
+
+    def __init__(self):
+        self.calls = []
+
+    def npu_apply_fused_ema_adamw(self, grad, var, m, v, s, step, lr, ema_decay, beta1, beta2,
+                                  eps, mode, bias_correction, weight_decay):
+        tensors = {"grad": grad, "var": var, "m": m, "v": v, "s": s}
+        dtypes = {t.dtype for t in tensors.values()}
+        assert len(dtypes) == 1 and var.dtype in (torch.float32, torch.float16, torch.bfloat16), dtypes
+        for name, t in tensors.items():
+            assert t.shape == var.shape and 1 <= t.dim() <= 8, (name, t.shape)
+            assert t.is_contiguous(), name
+            assert t.device == var.device, name
+        assert step.dtype == torch.int64 and tuple(step.shape) == (1,), (step.dtype, step.shape)
+        assert step.device == var.device
+        for name, x in (("lr", lr), ("ema_decay", ema_decay), ("beta1", beta1), ("beta2", beta2),
+                        ("eps", eps), ("weight_decay", weight_decay)):
+            assert type(x) is float, (name, type(x))
+        assert type(mode) is int and mode in (0, 1)
+        assert type(bias_correction) is bool
+        self.calls.append(dict(numel=var.numel(), dtype=var.dtype, lr=lr, mode=mode))
+        return npu_standin.reference_device_op(grad, var, m, v, s, step, lr, ema_decay, beta1,
+                                               beta2, eps, mode, bias_correction, weight_decay)
+
+
+def fake_torch_npu(tmp_path, chip="Ascend910B2"):
+    pkg = tmp_path / "torch_npu"
+    (pkg / "include").mkdir(parents=True, exist_ok=True)
+    (pkg / "lib").mkdir(exist_ok=True)
+    module = types.ModuleType("torch_npu")
+    module.__file__ = str(pkg / "__init__.py")
+    module.__version__ = "0.0.fake"
+    module.npu = types.SimpleNamespace(get_device_name=lambda index=0: chip,
+                                       current_device=lambda: 0)
+    return module
+
+
+@pytest.fixture
+def fake_npu_env(tmp_path, monkeypatch):
+    """A fake torch_npu and compiled binding; MindSpeed absent; CANN at a temporary path."""
+    binding = ContractBinding()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(tmp_path))
+    monkeypatch.setitem(sys.modules, npu_builder.FusedEmaAdamBuilder.NAME, binding)
+    monkeypatch.setitem(sys.modules, "mindspeed", None)  # import mindspeed... raises ImportError
+    monkeypatch.delenv("MULTI_TENSOR_NPU_BINDING", raising=False)
+    cann = tmp_path / "cann"
+    (cann / "include").mkdir(parents=True)
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(cann))
+    return binding
+
+
+def run_steps(params, steps=3, **kw):
+    opt = FusedEmaAdamW(params, lr=1e-2, weight_decay=0.1, **kw)
+    for k in range(steps):
+        g = torch.Generator().manual_seed(k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        with forced_backend(STANDIN):
+            opt.step()
+    return opt
+
+
+def test_the_loader_finds_the_binding_and_the_launches_keep_the_contract(fake_npu_env):
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in ((4, 5), (0,), (33,))]
+    with npu_standin.standin_backend(None, mode="cann") as backend:  # None: the real loader
+        opt = run_steps(params, steps=3, master_weights=True)
+        assert backend.device_op.source.startswith("multi_tensor")
+    assert sys.modules["torch_npu"].__version__ == "0.0.fake"
+    assert len(fake_npu_env.calls) == 3  # one bucket: one launch per step
+    assert all(c["dtype"] == torch.float32 for c in fake_npu_env.calls)  # the fp32 masters
+    (plan,) = opt._plans.values()
+    (bucket,) = plan.buckets
+    assert bucket.prepared.last_path == "cann"
+    assert {c["numel"] for c in fake_npu_env.calls} == {bucket.prepared.layout.total}
+
+
+def test_mindspeed_op_is_preferred(fake_npu_env, monkeypatch):
+    calls = []
+    ops = types.ModuleType("mindspeed.ops.npu_apply_fused_ema_adamw")
+    ops.fused_ema_adamw_op_builder = types.SimpleNamespace(load=lambda: calls.append("load"))
+
+    def op(*args):
+        calls.append("op")
+        return fake_npu_env.npu_apply_fused_ema_adamw(*args)
+    ops.npu_apply_fused_ema_adamw = op
+    mindspeed = types.ModuleType("mindspeed")
+    mindspeed.__path__ = []
+    mindspeed_ops = types.ModuleType("mindspeed.ops")
+    mindspeed_ops.__path__ = []
+    monkeypatch.setitem(sys.modules, "mindspeed", mindspeed)
+    monkeypatch.setitem(sys.modules, "mindspeed.ops", mindspeed_ops)
+    monkeypatch.setitem(sys.modules, "mindspeed.ops.npu_apply_fused_ema_adamw", ops)
+    fn, source = npu.load_device_op()
+    assert source == "mindspeed" and fn is op and calls == ["load"]
+    monkeypatch.setenv("MULTI_TENSOR_NPU_BINDING", "builtin")
+    fn, source = npu.load_device_op()
+    assert source.startswith("multi_tensor")
+
+
+def test_chips_without_the_operator_run_the_exact_path(fake_npu_env, tmp_path, monkeypatch):
+    holder = npu.DeviceOp(lambda *a: pytest.fail("must not launch"))
+    npu_device = types.SimpleNamespace(type="npu", index=0)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(tmp_path, chip="Ascend910A"))
+    fn, why = holder.get(npu_device)
+    assert fn is None and "Ascend910A" in why
+    ok = npu.DeviceOp(fake_npu_env.npu_apply_fused_ema_adamw)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(tmp_path, chip="Ascend910_9392"))
+    assert ok.get(npu_device)[0] is not None
+
+
+def test_a_binding_that_does_not_load_warns_once_and_the_exact_path_runs(fake_npu_env, monkeypatch):
+    monkeypatch.delitem(sys.modules, npu_builder.FusedEmaAdamBuilder.NAME)
+
+    def broken_load(self, verbose=False):
+        raise RuntimeError("no CANN headers")
+    monkeypatch.setattr(npu_builder.FusedEmaAdamBuilder, "load", broken_load)
+    monkeypatch.setattr(npu, "_warned", set())
+    params = [torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(3, 3))]
+    with npu_standin.standin_backend(None, mode="cann"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = run_steps(params, steps=3)
+    messages = [str(w.message) for w in caught if "NPU backend" in str(w.message)]
+    assert len(messages) == 1 and "no CANN headers" in messages[0]
+    (plan,) = opt._plans.values()
+    assert plan.buckets[0].prepared.last_path == "torch"
+
+
+def test_builder_arguments_without_building(fake_npu_env, tmp_path):
+    builder = npu_builder.FusedEmaAdamBuilder()
+    args = builder.build_args()
+    assert args["name"] == "multi_tensor_npu_fused_ema_adam"
+    (source,) = args["sources"]
+    assert source.endswith(os.path.join("csrc", "npu", "fused_ema_adam.cpp")) and os.path.isfile(source)
+    assert os.path.join(str(tmp_path), "cann", "include") in args["extra_include_paths"]
+    assert "-lascendcl" in args["extra_ldflags"] and "-ltorch_npu" in args["extra_ldflags"]
+    assert "-L" + os.path.join(str(tmp_path), "cann", "lib64") in args["extra_ldflags"]
+    assert builder.load() is fake_npu_env  # an already loaded module is reused, never rebuilt
+    with pytest.raises(FileNotFoundError, match="MULTI_TENSOR_NPU_SOURCE_ROOT"):
+        npu_builder.FusedEmaAdamBuilder(source_root=str(tmp_path)).sources()
+
+
+def test_binding_source_checks_the_contract():
+    with open(os.path.join(REPO, "csrc", "npu", "fused_ema_adam.cpp")) as f:
+        text = f.read()
+    for needle in ("aclnnApplyFusedEmaAdamGetWorkspaceSize", "aclnnApplyFusedEmaAdam\"",
+                   "libopapi.so", "OpCommand", "SetCustomHandler", "at::kLong",
+                   "is_contiguous", "PYBIND11_MODULE", "double lr", "bool bias_correction"):
+        assert needle in text, needle
+
+
+def test_npu_check_stand_in_runs(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import npu_check
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "check.json"
+    rc = npu_check.main(["--stand-in", "--numel", "20000", "--tensors", "6", "--steps", "1",
+                         "--warmup", "0", "--parity-numel", "5000", "--parity-tensors", "5",
+                         "--parity-steps", "3", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert not result["failed"]
+    steady = result["results"]["cann_literal EMA coefficients"]["steady"]
+    assert -2e-4 < steady < -1e-4  # fp32(d) + fp32(1 - d) != 1 at d = 0.9999
+    assert any(k.startswith("ours cann") for k in result["results"]["bench_ms"])
