@@ -41,7 +41,7 @@ class EmaAccessMixin:
         Called once per (group, step) before any bucket runs, so a bad schedule value raises
         with nothing changed; the decays used are kept in ``last_ema_decays``.
         """
-        decay = ema_schedules.group_ema_decay(type(self).__name__, group, step)
+        decay = ema_schedules.group_ema_decay(type(self).__name__, group, step, checked=True)
         if decay is not None:
             index = next(i for i, g in enumerate(self.param_groups) if g is group)
             self.last_ema_decays[(index, step)] = decay

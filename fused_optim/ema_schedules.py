@@ -167,9 +167,14 @@ def check_group(owner: str, group: Mapping[str, Any]) -> None:
     check_ema_options(owner, ema_decay=group.get("ema_decay"), **group_options(group))
 
 
-def group_ema_decay(owner: str, group: Mapping[str, Any], step: int) -> Optional[float]:
-    """The decay for a param group's EMA update at ``step``; ``None`` if the group keeps no EMA."""
+def group_ema_decay(owner: str, group: Mapping[str, Any], step: int, *,
+                    checked: bool = False) -> Optional[float]:
+    """The decay for a param group's EMA update at ``step``; ``None`` if the group keeps no EMA.
+
+    ``checked``: the group's options were already validated (:func:`check_group`).
+    """
     if group.get("ema_decay") is None:
         return None
-    check_group(owner, group)
+    if not checked:
+        check_group(owner, group)
     return ema_decay_at(step, group["ema_decay"], owner=owner, **group_options(group))

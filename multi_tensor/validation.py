@@ -115,6 +115,8 @@ def storageless(tensor_lists, names) -> Optional[str]:
 
 
 def _is_real(x) -> bool:
+    if type(x) is float or type(x) is int:
+        return True
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 

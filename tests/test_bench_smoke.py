@@ -1,7 +1,9 @@
-"""Smoke test of tools/bench.py: it runs end to end and writes the JSON it promises.
+"""Smoke tests of tools/bench.py: it runs end to end and writes the JSON it promises.
 
-Runs a tiny W2 (100 tensors, 3 rounds) in a subprocess. Checks structure and that times are
-positive; it never asserts a speed.
+A tiny S + W2 run at thread counts 1 and 2 in a subprocess; the checks are on structure and on
+the arithmetic that ties the figures together (effective GB/s, % of ceiling, ratios), never on
+a speed. A second tiny run hides DeepSpeed behind a module that fails to import and checks the
+peer is skipped with a reason rather than failing the run.
 """
 import json
 import math
@@ -9,60 +11,124 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "tools", "bench.py")
+TOOLS = os.path.join(ROOT, "tools")
+BENCH = os.path.join(TOOLS, "bench.py")
+FP32_PEERS = {"ours", "fused_ema", "foreach_ema", "npu_loop"}
+CEILING_BYTES = {"adamw_fused": 28, "foreach_lerp": 12, "foreach_add": 12}
 
 
-def test_bench_quick_w2_writes_json(tmp_path):
+def run_bench(tmp_path, *args, env=None):
     out = tmp_path / "bench.json"
-    env = dict(os.environ, BENCH_W2_TENSORS="100")
     proc = subprocess.run(
-        [sys.executable, BENCH, "--quick", "--workloads", "W2", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [sys.executable, BENCH, "--quick", "--w2-tensors", "100", "--incache-numel", "4096",
+         "--incache-steps", "20", "--json", str(out), *args],
+        cwd=ROOT, env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "backend" in proc.stdout
+    return proc.stdout, json.loads(out.read_text())
 
-    data = json.loads(out.read_text())
-    for key in ("machine", "settings", "bandwidth", "memory_method", "byte_models", "workloads",
-                "total_s"):
+
+def check_timing(mode, wl, ceiling_gbps, expected_per_round):
+    assert mode["rounds"] >= 1
+    assert set(mode["peers"]) == FP32_PEERS
+    for name, peer in mode["peers"].items():
+        assert len(peer["times_s"]) == mode["rounds"] * expected_per_round, name
+        assert all(t > 0 for t in peer["times_s"]), name
+        assert peer["p10_s"] <= peer["median_s"] <= peer["p90_s"], name
+        assert peer["effective_gbps"] == pytest.approx(wl["bytes_per_step"] / peer["median_s"] / 1e9)
+        assert peer["pct_of_ceiling"] == pytest.approx(100 * peer["effective_gbps"] / ceiling_gbps)
+        assert peer["ratio_vs_ours"] == pytest.approx(
+            peer["median_s"] / mode["peers"]["ours"]["median_s"])
+    assert mode["peers"]["ours"]["ratio_vs_ours"] == 1.0
+
+
+def test_bench_quick_writes_json(tmp_path):
+    stdout, data = run_bench(tmp_path, "--workloads", "S,W2", "--threads-list", "1,2",
+                             "--peers", ",".join(sorted(FP32_PEERS)))
+    assert "backend" in stdout and "ceiling" in stdout
+    for key in ("machine", "settings", "byte_models", "ceiling_method", "memory_method",
+                "target_definitions", "skipped_peers", "workloads", "in_cache", "targets", "total_s"):
         assert key in data, key
     machine = data["machine"]
-    for key in ("torch_version", "torch_threads", "cpu_capability", "backend"):
+    for key in ("torch_version", "torch_threads", "cpu_capability", "backend", "cpu_caches_bytes"):
         assert key in machine, key
-    assert machine["torch_threads"] >= 1
     assert isinstance(machine["backend"], str) and machine["backend"]
-    assert data["bandwidth"]["ceiling_gbps"] > 0
+    assert data["settings"]["threads_list"] == [1, 2]
+    defined = {t["workload"] for t in data["target_definitions"]}
+    assert defined == {"W1", "W2", "W3", "S", "S3", "in_cache"}
 
-    assert list(data["workloads"]) == ["W2"]
-    w2 = data["workloads"]["W2"]
-    assert w2["n_tensors"] == 100
-    assert w2["numel"] > 0 and w2["bytes_per_step"] == 36 * w2["numel"]
-    assert w2["rounds"] >= 1
-    assert set(w2["peers"]) == {"ours", "fused_ema", "foreach_ema", "npu_loop"}
-    for name, peer in w2["peers"].items():
-        assert peer["median_s"] > 0, name
-        assert len(peer["times_s"]) == w2["rounds"]
-        assert all(t > 0 for t in peer["times_s"]), name
-        assert peer["ratio_vs_ours"] > 0 and math.isfinite(peer["ratio_vs_ours"]), name
-        assert peer["effective_gbps"] > 0, name
-        assert peer["pct_of_ceiling"] > 0, name
-        assert set(peer["peak_extra_mb"]) == {"rss_mb", "torch_mb"}
-        assert peer["check"]["all_finite"], name
-    assert w2["peers"]["ours"]["ratio_vs_ours"] == 1.0
-    assert isinstance(w2["targets"], list) and w2["targets"]
-    for target in w2["targets"]:
-        assert {"what", "target", "actual", "met"} <= set(target)
+    assert list(data["workloads"]) == ["S", "W2"]
+    assert data["workloads"]["S"]["numel"] == 300_000 and data["workloads"]["S"]["n_tensors"] == 6
+    for name, wl in data["workloads"].items():
+        assert wl["bytes_per_step"] == 36 * wl["numel"]
+        assert set(wl["peers"]) == FP32_PEERS
+        for peer_name, peer in wl["peers"].items():
+            assert set(peer["peak_extra_mb"]) == {"rss_mb", "torch_mb"}
+            assert peer["check"]["all_finite"], peer_name
+        assert list(wl["by_threads"]) == ["1", "2"]
+        for n, entry in wl["by_threads"].items():
+            assert entry["threads"] == int(n)
+            assert entry["other_processes_cores"] is None or entry["other_processes_cores"] >= 0
+            ceiling = entry["ceiling"]
+            assert set(ceiling["ops"]) == set(CEILING_BYTES)
+            for op, fig in ceiling["ops"].items():
+                assert fig["bytes_per_element"] == CEILING_BYTES[op]
+                assert fig["bytes_per_step"] == CEILING_BYTES[op] * wl["numel"]
+                assert fig["gbps"] == pytest.approx(fig["bytes_per_step"] / fig["best_s"] / 1e9)
+            assert ceiling["gbps"] == max(f["gbps"] for f in ceiling["ops"].values()) > 0
+            assert ceiling["ops"][ceiling["best_op"]]["gbps"] == ceiling["gbps"]
+            check_timing(entry["interleaved"], wl, ceiling["gbps"], 1)
+            burst = entry["burst"]
+            assert burst["steps_per_round"] == wl["burst_steps"] >= 2
+            check_timing(burst, wl, ceiling["gbps"], burst["steps_per_round"] - 1)
+            assert entry["targets"]
+            for target in entry["targets"]:
+                assert target["workload"] == name and target["threads"] == int(n)
+                assert {"what", "metric", "op", "value", "peer", "mode", "actual", "met"} <= set(target)
+                assert isinstance(target["met"], bool) and math.isfinite(target["actual"])
+    w2_modes = {t["mode"] for t in data["workloads"]["W2"]["by_threads"]["2"]["targets"]}
+    assert w2_modes == {"burst"}
+
+    incache = data["in_cache"]
+    assert incache["numel"] == 4096 and incache["threads"] == 1
+    assert {"ours", "fused_adamw"} <= set(incache["peers"])
+    for name, peer in incache["peers"].items():
+        assert peer["ns_per_elem_core"] == pytest.approx(peer["step_s"] / 4096 * 1e9), name
+    assert [t["metric"] for t in incache["targets"]] == ["ns_per_elem_core"]
+    assert len(data["targets"]) == 2 * 2 + 1
 
 
-def test_bench_gpt2_shapes_count():
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
+def test_bench_skips_deepspeed_when_it_does_not_import(tmp_path):
+    fake = tmp_path / "fake" / "deepspeed"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('deepspeed hidden by the smoke test')\n")
+    stdout, data = run_bench(tmp_path, "--workloads", "S", "--threads-list", "1", "--no-memory",
+                             "--no-incache", "--peers", "fused_ema,deepspeed_ema",
+                             env={"PYTHONPATH": str(tmp_path / "fake")})
+    assert "peer deepspeed_ema: skipped" in stdout
+    assert "hidden by the smoke test" in data["skipped_peers"]["deepspeed_ema"]
+    assert set(data["workloads"]["S"]["peers"]) == {"ours", "fused_ema"}
+    assert data["in_cache"] is None
+
+
+def test_bench_shapes_and_targets_are_data():
+    sys.path.insert(0, TOOLS)
     try:
-        import bench
+        from benchlib import targets, workloads
     finally:
-        sys.path.pop(0)
-    shapes = bench.gpt2_small_shapes()
+        sys.path.remove(TOOLS)
+    shapes = workloads.gpt2_small_shapes()
     assert len(shapes) == 148
     assert sum(math.prod(s) for s in shapes) == 124_439_808
-    small = bench.small_tensor_shapes(3000)
-    assert len(small) == 3000 and small == bench.small_tensor_shapes(3000)
+    small = workloads.small_tensor_shapes(3000)
+    assert len(small) == 3000 and small == workloads.small_tensor_shapes(3000)
     assert all(64 <= math.prod(s) <= 1024 for s in small)
+    assert [math.prod(s) for s in workloads.small_model_shapes()] == [50_000] * 6
+    for t in targets.TARGETS:
+        assert isinstance(t.value, float) and t.op in (">=", "<=")
+    w1 = {(t.metric, t.peer): t.value for t in targets.targets_for("W1")}
+    assert w1 == {("pct_ceiling", "ours"): 85.0, ("ratio", "fused_ema"): 1.05}
+    scored = targets.Target("X", "ratio", ">=", 2.0, peer="p").score(1.5)
+    assert scored["met"] is False and scored["target"] == ">= 2"

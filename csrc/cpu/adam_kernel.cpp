@@ -109,7 +109,10 @@ AdamScalars<M> round_scalars(py::handle h, const std::optional<at::Tensor>& grad
   c.has_scale = grad_scale.has_value() && grad_scale->defined();
   c.inv_scale = M(1);
   if (c.has_scale) {
-    const M scale = static_cast<M>(grad_scale->reshape({-1})[0].item<double>());
+    const at::Tensor& t = *grad_scale;
+    const M scale = t.is_cpu() && t.scalar_type() == c10::kFloat
+                        ? static_cast<M>(*t.const_data_ptr<float>())
+                        : static_cast<M>(t.reshape({-1})[0].item<double>());
     c.inv_scale = M(1) / scale;
   }
   return c;

@@ -30,7 +30,17 @@ inline std::vector<const at::Tensor*> unpack_tensors(py::handle obj) {
 
 inline bool flag_is_set(const std::optional<at::Tensor>& flag) {
   if (!flag.has_value() || !flag->defined() || flag->numel() == 0) return false;
-  return flag->reshape({-1})[0].item<double>() != 0.0;
+  const at::Tensor& t = *flag;
+  if (t.is_cpu()) {  // the usual int32/float flags, read in place (no tensor ops per step)
+    const void* p = t.const_data_ptr();
+    switch (t.scalar_type()) {
+      case c10::kInt: return *static_cast<const int32_t*>(p) != 0;
+      case c10::kFloat: return *static_cast<const float*>(p) != 0.0f;
+      case c10::kLong: return *static_cast<const int64_t*>(p) != 0;
+      default: break;
+    }
+  }
+  return t.reshape({-1})[0].item<double>() != 0.0;
 }
 
 inline void set_flag(const std::optional<at::Tensor>& flag) {

@@ -1,0 +1,372 @@
+"""Timing: peers' step times, the in-place streaming ceiling, and the in-cache compute figure.
+
+Peer timing. All peers of a workload live in one process and are timed round by round. In the
+``interleaved`` mode each round steps every peer once (the order rotates each round), so machine
+noise (frequency, other tenants, page cache) hits all peers alike, and every step starts with
+caches holding the previous peer's data. In the ``burst`` mode each round steps one peer N times
+back to back and times steps 2..N: data and threads are warm, as in a training loop where the
+optimizer step follows the backward pass of the same model. Reported per peer: median, p10, p90,
+peer median / ours median (> 1: ours is faster), effective GB/s = the byte model's bytes (what
+the fused update must move, the same for every peer) / median, and that as a % of the ceiling.
+
+Ceiling. The best bandwidth of in-place streaming ops on the workload's own tensor list (fp32
+copies of its params; the fp32 masters' shapes for bf16 workloads) and its grads, counting the
+bytes each op really moves:
+  adamw_fused   torch.optim.AdamW(fused=True).step()   28 B/element: grad 4r, param/m/v 4r4w
+  foreach_lerp  torch._foreach_lerp_(a, b, w)          12 B/element: a 4r4w, b 4r
+  foreach_add   torch._foreach_add_(a, b)              12 B/element: a 4r4w, b 4r
+Each op's time is its best repetition, measured just before and just after the peers' rounds
+at the same thread count (within a quarter of the workload's time budget each time); the
+ceiling is the highest of the three bandwidths. These ops own their tensors, so they never
+disturb a peer's state. On large workloads the ceiling is DRAM bandwidth; on small ones (S, W2)
+the data sits in cache and W2's 3000 tensors make the ops pay per-tensor overhead, so there a
+fused step can reach more than 100% of it.
+
+In-cache compute. One fp32 tensor small enough that param, grad, m, v and EMA stay in L2, many
+repeated steps on one thread, timed in chunks of 100 steps; the step time is the fastest
+chunk's mean. ns per element per core = step time * threads / elements. This
+is the arithmetic cost when memory is not the limit. The same steps on a tensor a quarter the
+size give the marginal cost per element, i.e. without the fixed per-step overhead (Python, the
+dispatcher, launching), which is printed beside it.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import fused_optim
+
+from . import config, machine, memory, targets
+from .config import BETAS, EMA_DECAY, EPS, LR, WEIGHT_DECAY
+from .peers import DESCRIPTIONS, Peer, deepspeed_adam, make_peer, max_abs_diff
+from .workloads import Workload
+
+CEILING_METHOD = ("best of in-place streaming ops on the workload's fp32 tensors, bytes each "
+                  "really moves: torch AdamW(fused=True) step 28 B/elem, _foreach_lerp_(a, b, w) "
+                  "12 B/elem, _foreach_add_(a, b) 12 B/elem; same run, same thread count")
+
+
+def percentile(sorted_values: List[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = (len(sorted_values) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def summarize(times: List[float]) -> Dict[str, object]:
+    ts = sorted(times)
+    return {"median_s": statistics.median(ts), "min_s": ts[0], "mean_s": statistics.fmean(ts),
+            "p10_s": percentile(ts, 0.10), "p90_s": percentile(ts, 0.90), "times_s": list(times)}
+
+
+def time_rounds(steps: Dict[str, Callable[[], None]], rounds: int, budget_s: float,
+                burst: int = 1) -> Dict[str, object]:
+    """Round-robin timing. ``burst`` 1: one timed step per peer per round (interleaved);
+    ``burst`` N > 1: N consecutive steps per peer per round, steps 2..N timed."""
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    order = list(steps)
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    t_start = time.perf_counter()
+    done = 0
+    try:
+        for r in range(rounds):
+            k = r % len(order)
+            for name in order[k:] + order[:k]:
+                step = steps[name]
+                for i in range(burst):
+                    t0 = time.perf_counter()
+                    step()
+                    if burst == 1 or i > 0:
+                        times[name].append(time.perf_counter() - t0)
+            done = r + 1
+            if done >= config.MIN_ROUNDS and time.perf_counter() - t_start > budget_s:
+                break
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {"rounds": done, "steps_per_round": burst,
+            "timed_steps_per_round": burst - 1 if burst > 1 else 1,
+            "wall_s": time.perf_counter() - t_start, "times": times}
+
+
+class CeilingOps:
+    """In-place streaming ops over fp32 tensors shaped like the workload's; see the module doc."""
+
+    BYTES_PER_ELEMENT = {"adamw_fused": 28, "foreach_lerp": 12, "foreach_add": 12}
+
+    def __init__(self, wl: Workload):
+        self.numel = wl.numel
+        self.params = wl.new_fp32_params()
+        self.grads = wl.fp32_grads()
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        self.opt = torch.optim.AdamW(self.params, lr=LR, betas=BETAS, eps=EPS,
+                                     weight_decay=WEIGHT_DECAY, fused=True)
+        weight = 1.0 - EMA_DECAY
+        self.ops: Dict[str, Callable[[], None]] = {
+            "adamw_fused": self.opt.step,
+            "foreach_lerp": lambda: torch._foreach_lerp_(self.params, self.grads, weight),
+            "foreach_add": lambda: torch._foreach_add_(self.params, self.grads),
+        }
+        self.best_s = {name: float("inf") for name in self.ops}
+        self.reps = 0
+        with torch.no_grad():
+            for op in self.ops.values():
+                op()
+
+    @torch.no_grad()
+    def measure(self, reps: int, budget_s: float) -> None:
+        """Up to ``reps`` repetitions of every op, fewer (at least one) once over ``budget_s``."""
+        t_start = time.perf_counter()
+        for _ in range(reps):
+            for name, op in self.ops.items():
+                t0 = time.perf_counter()
+                op()
+                self.best_s[name] = min(self.best_s[name], time.perf_counter() - t0)
+            self.reps += 1
+            if time.perf_counter() - t_start > budget_s:
+                break
+
+    def result(self) -> Dict[str, object]:
+        ops = {}
+        for name, best in self.best_s.items():
+            nbytes = self.BYTES_PER_ELEMENT[name] * self.numel
+            ops[name] = {"bytes_per_element": self.BYTES_PER_ELEMENT[name], "bytes_per_step": nbytes,
+                         "best_s": best, "gbps": nbytes / best / 1e9, "reps": self.reps}
+        best_op = max(ops, key=lambda n: ops[n]["gbps"])
+        return {"gbps": ops[best_op]["gbps"], "best_op": best_op, "ops": ops}
+
+    def reset(self) -> None:
+        self.best_s = {name: float("inf") for name in self.ops}
+        self.reps = 0
+
+
+def _peer_figures(wl: Workload, timing: Dict[str, object], ceiling_gbps: float) -> Dict[str, object]:
+    times = timing.pop("times")
+    ours = statistics.median(times["ours"]) if times.get("ours") else None
+    peers = {}
+    for name, ts in times.items():
+        fig = summarize(ts)
+        gbps = wl.bytes_per_step / fig["median_s"] / 1e9
+        fig["ratio_vs_ours"] = fig["median_s"] / ours if ours else None
+        fig["effective_gbps"] = gbps
+        fig["pct_of_ceiling"] = 100.0 * gbps / ceiling_gbps if ceiling_gbps else None
+        peers[name] = fig
+    timing["peers"] = peers
+    return timing
+
+
+class _PhaseClock:
+    """Seconds spent per phase of a workload (setup, warmup, ceiling, timing, memory, check)."""
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._t
+        self._t = now
+
+
+def _checks(peers: Dict[str, Peer]) -> Dict[str, Dict[str, object]]:
+    """Every peer took the same steps: its params and EMA should match ours to rounding."""
+    if "ours" not in peers:
+        return {}
+    ours = peers["ours"]
+    return {name: {
+        "max_abs_diff_param_vs_ours": max_abs_diff(peer.model_params(), ours.model_params()),
+        "max_abs_diff_ema_vs_ours": max_abs_diff(peer.emas(), ours.emas()),
+        "all_finite": all(bool(torch.isfinite(p).all()) for p in peer.model_params()),
+    } for name, peer in peers.items()}
+
+
+def run_workload(wl: Workload, peer_names: List[str], threads_list: List[int], *, rounds: int,
+                 warmup: int, budget_s: float, burst: int, ceiling_reps: int,
+                 measure_memory: bool) -> Dict[str, object]:
+    """Time every peer of ``wl`` at each thread count; see the module doc for what is measured."""
+    print(f"\n[{wl.name}] {wl.description}: {len(wl.shapes)} tensors, {wl.numel:,} elements; "
+          f"setting up {len(peer_names)} peers and the ceiling ops ...", flush=True)
+    clock = _PhaseClock()
+    peers: Dict[str, Peer] = {name: make_peer(name, wl) for name in peer_names}
+    ceiling = CeilingOps(wl)
+    steps = {name: peer.step for name, peer in peers.items()}
+    clock.lap("setup")
+    by_threads: Dict[str, object] = {}
+    for n in threads_list:
+        torch.set_num_threads(n)
+        foreign = machine.ForeignLoad()
+        for step in steps.values():
+            for _ in range(warmup):
+                step()
+        clock.lap("warmup")
+        ceiling.reset()
+        ceiling.measure((ceiling_reps + 1) // 2, budget_s / 4)
+        clock.lap("ceiling")
+        inter = time_rounds(steps, rounds, budget_s)
+        back = time_rounds(steps, rounds, budget_s, burst) if burst > 1 else None
+        clock.lap("timing")
+        ceiling.measure(max(1, ceiling_reps // 2), budget_s / 4)
+        clock.lap("ceiling")
+        ceil = ceiling.result()
+        entry = {"threads": n, "warmup_steps": warmup, "other_processes_cores": foreign.cores(),
+                 "ceiling": ceil,
+                 "interleaved": _peer_figures(wl, inter, ceil["gbps"]),
+                 "burst": _peer_figures(wl, back, ceil["gbps"]) if back else None}
+        entry["targets"] = [dict(t, threads=n) for t in targets.score_workload(wl.name, entry)]
+        by_threads[str(n)] = entry
+        line = (f"[{wl.name}] {n} thread(s): ceiling {ceil['gbps']:.1f} GB/s ({ceil['best_op']}); "
+                f"{inter['rounds']} interleaved rounds in {inter['wall_s']:.1f} s")
+        if back:
+            line += f", {back['rounds']} burst rounds of {burst} steps in {back['wall_s']:.1f} s"
+        if entry["other_processes_cores"] is not None:
+            line += f"; other processes kept {entry['other_processes_cores']:.2f} cores busy"
+        print(line, flush=True)
+    del ceiling
+
+    mem: Dict[str, Dict[str, Optional[float]]] = {}
+    if measure_memory:
+        for name, peer in peers.items():
+            mem[name] = {"rss_mb": memory.rss_peak_extra_mb(peer.step),
+                         "torch_mb": memory.torch_peak_extra_mb(peer.step)}
+        clock.lap("memory")
+    checks = _checks(peers)
+    per_peer = {name: {"description": DESCRIPTIONS[name], "peak_extra_mb": mem.get(name),
+                       "check": checks.get(name)} for name in peers}
+    peers.clear()
+    steps.clear()
+    gc.collect()
+    memory.malloc_trim()
+    clock.lap("check")
+    wall_s = sum(clock.seconds.values())
+    print(f"[{wl.name}] done in {wall_s:.1f} s (" +
+          ", ".join(f"{k} {v:.1f}" for k, v in clock.seconds.items()) + ")", flush=True)
+    return {
+        "description": wl.description,
+        "n_tensors": len(wl.shapes),
+        "numel": wl.numel,
+        "param_dtype": str(wl.param_dtype).replace("torch.", ""),
+        "byte_model": config.BYTE_MODELS[wl.byte_model_key],
+        "bytes_per_element": config.BYTES_PER_ELEMENT,
+        "bytes_per_step": wl.bytes_per_step,
+        "burst_steps": burst if burst > 1 else None,
+        "peers": per_peer,
+        "by_threads": by_threads,
+        "wall_s": wall_s,
+        "phase_s": clock.seconds,
+    }
+
+
+def default_incache_numel(caches: Dict[str, int]) -> int:
+    """The largest power of two whose in-cache working set fills at most 3/4 of L2."""
+    l2 = caches.get("L2")
+    if not l2:
+        return config.INCACHE_FALLBACK_NUMEL
+    n = 1024
+    while 2 * n * config.INCACHE_BYTES_PER_ELEMENT <= 0.75 * l2:
+        n *= 2
+    return n
+
+
+def _incache_steppers(numel: int, with_deepspeed: bool) -> Dict[str, Callable[[], None]]:
+    gen = torch.Generator().manual_seed(99)
+
+    def param():
+        p = torch.empty(numel).normal_(0.0, 0.02, generator=gen)
+        p.grad = torch.empty(numel).normal_(0.0, 1e-3, generator=gen)
+        return p
+
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    steppers: Dict[str, Callable[[], None]] = {}
+    p = param()
+    steppers["ours"] = fused_optim.FusedEmaAdamW([p], ema_decay=EMA_DECAY, **kw).step
+    p = param()
+    steppers["fused_adamw"] = torch.optim.AdamW([p], fused=True, **kw).step
+    p = param()
+    fused = torch.optim.AdamW([p], fused=True, **kw)
+    params, emas = [p], [torch.zeros(numel)]
+
+    def fused_ema() -> None:
+        fused.step()
+        torch._foreach_lerp_(emas, params, 1.0 - EMA_DECAY)
+    steppers["fused_ema"] = fused_ema
+    if with_deepspeed:
+        adam, _ = deepspeed_adam()
+        if adam is not None:
+            p = param()
+            steppers["deepspeed_adam"] = adam([p], adamw_mode=True, **kw).step
+    return steppers
+
+
+INCACHE_DESCRIPTIONS = {
+    "ours": "FusedEmaAdamW step (AdamW + EMA)",
+    "fused_adamw": "torch AdamW(fused=True) step (no EMA)",
+    "fused_ema": "torch AdamW(fused=True) step + _foreach_lerp_ EMA",
+    "deepspeed_adam": "DeepSpeedCPUAdam step (no EMA)",
+}
+
+
+@torch.no_grad()
+def _per_step_s(step: Callable[[], None], steps: int, chunk: int = 100) -> float:
+    """Per-step time of the fastest chunk of ``chunk`` steps: interference only adds time."""
+    chunk = max(1, min(chunk, steps))
+    for _ in range(min(50, steps)):
+        step()
+    chunks = []
+    for _ in range(max(1, steps // chunk)):
+        t0 = time.perf_counter()
+        for _ in range(chunk):
+            step()
+        chunks.append((time.perf_counter() - t0) / chunk)
+    return min(chunks)
+
+
+def in_cache(numel: int, steps: int, with_deepspeed: bool, caches: Dict[str, int]) -> Dict[str, object]:
+    """ns/element/core of one step on a tensor that stays in L2, 1 thread; see the module doc."""
+    threads = 1
+    foreign = machine.ForeignLoad()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    small = max(1, numel // 4)
+    try:
+        large_steppers = _incache_steppers(numel, with_deepspeed)
+        small_steppers = _incache_steppers(small, with_deepspeed)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            peers = {}
+            for name, step in large_steppers.items():
+                t_large = _per_step_s(step, steps)
+                t_small = _per_step_s(small_steppers[name], steps)
+                marginal = max(0.0, (t_large - t_small) / (numel - small)) if numel > small else None
+                fixed = None if marginal is None else t_large - marginal * numel
+                peers[name] = {
+                    "description": INCACHE_DESCRIPTIONS[name],
+                    "step_s": t_large,
+                    "ns_per_elem_core": t_large * threads / numel * 1e9,
+                    "small_step_s": t_small,
+                    "marginal_ns_per_elem_core": None if marginal is None else marginal * threads * 1e9,
+                    "fixed_overhead_us": None if fixed is None else fixed * 1e6,
+                }
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+    finally:
+        torch.set_num_threads(previous)
+    result = {"numel": numel, "small_numel": small, "threads": threads, "steps": steps,
+              "working_set_bytes": numel * config.INCACHE_BYTES_PER_ELEMENT,
+              "l2_bytes": caches.get("L2"), "other_processes_cores": foreign.cores(),
+              "peers": peers}
+    result["targets"] = []
+    for t in targets.targets_for("in_cache"):
+        fig = peers.get(t.peer)
+        result["targets"].append(dict(t.score(fig[t.metric] if fig else None), threads=threads))
+    return result
