@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from multi_tensor import multi_tensor_applier
 
-from .adam_state import AdamStateMixin, check_unsupported_flags
+from .adam_state import AdamStateMixin, check_torch_options, check_unsupported_flags
 from .base import FusedOptimizerBase
 
 _UPDATE_DOC = r"""
@@ -46,7 +46,13 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
             the param receives the master rounded once per step. ``False`` (apex's default):
             state in the param's dtype, math in fp32.
         maximize: maximize the objective.
-        capturable: not supported: ``True`` raises ``NotImplementedError``.
+        capturable, differentiable: not supported: ``True`` raises ``NotImplementedError``.
+        foreach, fused: accepted for compatibility with ``torch.optim.Adam`` (torch's argument
+            errors are raised, e.g. both True); the update is always one fused call per bucket.
+        fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
+            kernel (no extra pass). ``False``: the scaler unscales the grads itself before
+            ``step()``, for code that clips or inspects grads in between (Lightning's
+            ``gradient_clip_val``).
         chunk_size: elements per unit of parallel work (never changes a result).
 
     State per param (torch's names): ``step`` (float32 scalar tensor), ``exp_avg``,
@@ -58,14 +64,20 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
                  set_grad_none: bool = True, *, master_weights: bool = False,
                  maximize: bool = False, capturable: bool = False,
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None,
+                 differentiable: bool = False,
+                 fused_unscale: bool = True,
                  chunk_size: int = multi_tensor_applier.chunk_size):
-        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad, capturable=capturable)
+        check_torch_options(type(self).__name__, lr, betas, foreach=foreach, fused=fused,
+                            capturable=capturable, differentiable=differentiable)
+        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
+                                differentiable=differentiable)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         master_weights=master_weights, maximize=maximize)
         self._check_group(defaults)
         self.set_grad_none = bool(set_grad_none)
-        super().__init__(params, defaults, chunk_size=chunk_size)
+        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clear grads: to None if ``set_to_none`` (default: the ``set_grad_none`` option)."""
@@ -85,6 +97,10 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
         foreach, fused: accepted and ignored (the update is always one fused call per bucket).
         master_weights: fp16/bf16 params keep an fp32 ``master_param`` (default ``True``);
             ``False``: state in the param's dtype, as torch keeps it.
+        fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
+            kernel (no extra pass). ``False``: the scaler unscales the grads itself before
+            ``step()``, for code that clips or inspects grads in between (Lightning's
+            ``gradient_clip_val``).
         chunk_size: elements per unit of parallel work (never changes a result).
 
     State per param: ``step``, ``exp_avg``, ``exp_avg_sq`` (as torch) and ``master_param`` for
@@ -99,13 +115,14 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, master_weights: bool = True,
+                 fused_unscale: bool = True,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
                         master_weights=master_weights)
         self._check_group(defaults)
-        super().__init__(params, defaults, chunk_size=chunk_size)
+        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)

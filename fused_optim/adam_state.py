@@ -43,6 +43,31 @@ def check_unsupported_flags(owner: str, **flags) -> None:
             raise NotImplementedError(f"{owner} does not support {UNSUPPORTED_FLAGS[key]}")
 
 
+def check_torch_options(owner: str, lr, betas, *, foreach=None, fused=None, capturable=False,
+                        differentiable=False) -> None:
+    """The argument errors ``torch.optim.Adam``/``AdamW``/``RAdam`` raise, with torch's
+    exception types and messages (``optim_error_inputs_func_*`` in torch's optimizer tests)."""
+    if isinstance(lr, torch.Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        tensors = [isinstance(b, torch.Tensor) for b in betas]
+        if tensors[0] != tensors[1]:
+            raise ValueError("betas must be either both floats or both Tensors")
+        for i, is_tensor in enumerate(tensors):
+            if is_tensor and foreach and not capturable:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                                 f"and foreach=True")
+            if is_tensor and betas[i].numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+
+
 class AdamStateMixin:
     """Group checks and ``exp_avg``/``exp_avg_sq``/``ema``/``master_param`` state (module docstring)."""
 
@@ -65,6 +90,9 @@ class AdamStateMixin:
         betas = group["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}")
+        check_torch_options(name, group["lr"], betas, foreach=group.get("foreach"),
+                            fused=group.get("fused"), capturable=group.get("capturable", False),
+                            differentiable=group.get("differentiable", False))
         if self._ema_required and group.get("ema_decay") is None:
             raise ValueError(f"{name}: ema_decay must be a number in [0, 1), got None")
         validation.check_hyperparameters(

@@ -1,12 +1,12 @@
 """FusedEmaAdamW: AdamW and an EMA of the weights in one pass over memory."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from multi_tensor import multi_tensor_applier
 
 from . import ema_schedules
-from .adam_state import AdamStateMixin
+from .adam_state import AdamStateMixin, check_torch_options, check_unsupported_flags
 from .base import FusedOptimizerBase
 from .ema import EmaAccessMixin
 
@@ -47,6 +47,14 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         master_weights: fp16/bf16 params keep an fp32 ``master_param``; moments and EMA are fp32;
             the param is the master rounded once per step. ``False``: state in the param dtype.
         maximize: maximize the objective instead of minimizing.
+        amsgrad, capturable, differentiable: accepted for compatibility with
+            ``torch.optim.AdamW``; ``True`` raises ``NotImplementedError`` naming the feature.
+        foreach, fused: accepted and ignored (always one fused call per bucket); torch's argument
+            errors are raised (e.g. both True).
+        fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
+            kernel (no extra pass). ``False``: the scaler unscales the grads itself before
+            ``step()``, for code that clips or inspects grads in between (Lightning's
+            ``gradient_clip_val``).
         chunk_size: elements per unit of parallel work (never changes a result).
 
     State per param: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq``, ``ema`` and,
@@ -59,8 +67,15 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                  master_weights: bool = True, maximize: bool = False,
                  ema_schedule: ema_schedules.Schedule = None, ema_start_step: int = 0,
                  ema_inv_gamma: float = 1.0, ema_power: float = 2.0 / 3.0,
-                 ema_min_decay: float = 0.0,
+                 ema_min_decay: float = 0.0, amsgrad: bool = False,
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False,
+                 fused_unscale: bool = True,
                  chunk_size: int = multi_tensor_applier.chunk_size):
+        check_torch_options(type(self).__name__, lr, betas, foreach=foreach, fused=fused,
+                            capturable=capturable, differentiable=differentiable)
+        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
+                                differentiable=differentiable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         ema_decay=ema_decay, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, master_weights=master_weights,
@@ -68,7 +83,7 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                         ema_start_step=ema_start_step, ema_inv_gamma=ema_inv_gamma,
                         ema_power=ema_power, ema_min_decay=ema_min_decay)
         self._check_group(defaults)
-        super().__init__(params, defaults, chunk_size=chunk_size)
+        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale)
 
     # State, state lists, group checks (EMA schedule options included) and the op: AdamStateMixin,
     # shared with FusedAdam/FusedAdamW/FusedRAdam.

@@ -38,6 +38,10 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
             param's dtype.
         foreach: accepted and ignored. capturable, differentiable: ``True`` raises
             ``NotImplementedError``.
+        fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
+            kernel (no extra pass). ``False``: the scaler unscales the grads itself before
+            ``step()``, for code that clips or inspects grads in between (Lightning's
+            ``gradient_clip_val``).
         chunk_size: elements per unit of parallel work (never changes a result).
 
     State per param: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` (as torch),
@@ -52,10 +56,11 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                  *, ema_decay: Optional[float] = None, master_weights: bool = True,
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
+                 fused_unscale: bool = True,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay, ema_decay=ema_decay,
                         master_weights=master_weights, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable)
         self._check_group(defaults)
-        super().__init__(params, defaults, chunk_size=chunk_size)
+        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale)

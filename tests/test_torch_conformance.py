@@ -1,0 +1,79 @@
+"""torch's own argument errors: every input torch's optimizer tests reject for Adam, AdamW and
+RAdam (``optim_error_inputs_func_*`` in ``torch.testing._internal.common_optimizers``) is
+rejected by the fused counterparts with the same exception (or warning) type, and every torch
+option they cannot honour raises ``NotImplementedError`` naming the feature."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from fused_optim import FusedAdam, FusedAdamW, FusedEmaAdamW, FusedRAdam
+
+co = pytest.importorskip("torch.testing._internal.common_optimizers",
+                         reason="torch's optimizer test inputs need expecttest (bootstrap --test)")
+
+# (torch's error-input function, the torch optimizer, the fused counterparts)
+PAIRS = [
+    ("optim_error_inputs_func_adam", torch.optim.Adam, (FusedAdam, FusedEmaAdamW)),
+    ("optim_error_inputs_func_adamw", torch.optim.AdamW, (FusedAdamW, FusedEmaAdamW)),
+    ("optim_error_inputs_func_radam", torch.optim.RAdam, (FusedRAdam,)),
+]
+CASES = [(fn, torch_cls, fused_cls, i)
+         for fn, torch_cls, fused in PAIRS
+         for fused_cls in fused
+         for i in range(len(getattr(co, fn)("cpu", torch.float32)))]
+
+
+def _raised(cls, params, kwargs):
+    """What constructing (and, when that works, stepping) ``cls`` raises or warns."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt = cls(params, **kwargs)
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.ones_like(p)
+            opt.step()
+        except Exception as exc:  # the type is what is compared
+            return type(exc)
+    user = [w.category for w in caught if issubclass(w.category, UserWarning)]
+    return user[0] if user else None
+
+
+@pytest.mark.parametrize("fn,torch_cls,fused_cls,index", CASES,
+                         ids=[f"{c[2].__name__}-{c[0].rsplit('_', 1)[-1]}-{c[3]}" for c in CASES])
+def test_same_exception_type_as_torch(fn, torch_cls, fused_cls, index):
+    error_input = getattr(co, fn)("cpu", torch.float32)[index]
+    optim_input = error_input.optimizer_error_input
+    kwargs = dict(optim_input.kwargs)
+
+    def params():
+        if optim_input.params is not None:
+            return optim_input.params
+        return [torch.nn.Parameter(torch.randn(2, 3))]
+
+    expected = error_input.error_type
+    assert _raised(torch_cls, params(), kwargs) is not None  # torch rejects it here too
+    got = _raised(fused_cls, params(), kwargs)
+    assert got is not None and issubclass(got, expected), (
+        f"{fused_cls.__name__}({optim_input.desc}): torch raises {expected.__name__}, "
+        f"ours {getattr(got, '__name__', got)}")
+
+
+UNSUPPORTED = ["amsgrad", "capturable", "differentiable"]
+OPTIMIZERS = {
+    FusedEmaAdamW: UNSUPPORTED,
+    FusedAdamW: UNSUPPORTED,
+    FusedAdam: UNSUPPORTED,
+    FusedRAdam: ["capturable", "differentiable"],  # torch's RAdam has no amsgrad
+}
+FEATURE = {"amsgrad": "AMSGrad", "capturable": "capturable", "differentiable": "differentiable"}
+
+
+@pytest.mark.parametrize("cls,flag", [(c, f) for c, fs in OPTIMIZERS.items() for f in fs],
+                         ids=[f"{c.__name__}-{f}" for c, fs in OPTIMIZERS.items() for f in fs])
+def test_unsupported_torch_option_names_the_feature(cls, flag):
+    with pytest.raises(NotImplementedError, match=FEATURE[flag]):
+        cls([torch.nn.Parameter(torch.zeros(2))], **{flag: True})
