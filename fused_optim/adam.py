@@ -53,6 +53,11 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
             kernel (no extra pass). ``False``: the scaler unscales the grads itself before
             ``step()``, for code that clips or inspects grads in between (Lightning's
             ``gradient_clip_val``).
+        max_grad_norm: clip the grads to this global L2 norm (of the unscaled grads, over every
+            param with a grad, as ``torch.nn.utils.clip_grad_norm_``): one multi-tensor l2norm
+            launch per bucket, and the clip factor folded into the kernel's grad multiplier (no
+            extra pass over the grads). A non-finite norm skips the step. ``last_grad_norm``
+            holds the norm of the last step.
         chunk_size: elements per unit of parallel work (never changes a result).
 
     State per param (torch's names): ``step`` (float32 scalar tensor), ``exp_avg``,
@@ -66,7 +71,7 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
                  maximize: bool = False, capturable: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  differentiable: bool = False,
-                 fused_unscale: bool = True,
+                 fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         check_torch_options(type(self).__name__, lr, betas, foreach=foreach, fused=fused,
                             capturable=capturable, differentiable=differentiable)
@@ -77,7 +82,8 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
                         master_weights=master_weights, maximize=maximize)
         self._check_group(defaults)
         self.set_grad_none = bool(set_grad_none)
-        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale)
+        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
+                         max_grad_norm=max_grad_norm)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clear grads: to None if ``set_to_none`` (default: the ``set_grad_none`` option)."""
@@ -101,6 +107,11 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
             kernel (no extra pass). ``False``: the scaler unscales the grads itself before
             ``step()``, for code that clips or inspects grads in between (Lightning's
             ``gradient_clip_val``).
+        max_grad_norm: clip the grads to this global L2 norm (of the unscaled grads, over every
+            param with a grad, as ``torch.nn.utils.clip_grad_norm_``): one multi-tensor l2norm
+            launch per bucket, and the clip factor folded into the kernel's grad multiplier (no
+            extra pass over the grads). A non-finite norm skips the step. ``last_grad_norm``
+            holds the norm of the last step.
         chunk_size: elements per unit of parallel work (never changes a result).
 
     State per param: ``step``, ``exp_avg``, ``exp_avg_sq`` (as torch) and ``master_param`` for
@@ -115,14 +126,15 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, master_weights: bool = True,
-                 fused_unscale: bool = True,
+                 fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
                         master_weights=master_weights)
         self._check_group(defaults)
-        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale)
+        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
+                         max_grad_norm=max_grad_norm)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)

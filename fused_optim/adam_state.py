@@ -105,6 +105,14 @@ class AdamStateMixin:
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
         return (self._has_ema(group), bool(group.get("master_weights", False)))
 
+    def _step_dependent(self, group: Dict[str, Any]) -> bool:
+        """An EMA schedule other than a constant decay from step 1 depends on the step."""
+        if not self._has_ema(group):
+            return False
+        schedule = group.get("ema_schedule")
+        constant = schedule is None or (isinstance(schedule, str) and schedule.lower() == "constant")
+        return not constant or bool(group.get("ema_start_step", 0))
+
     def _op(self, group: Dict[str, Any]) -> schema.OpSpec:
         return schema.adam_op(self._rule, self._has_ema(group))
 

@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from multi_tensor import multi_tensor_applier, rules, schema, validation
+from multi_tensor.backends import registry
 from multi_tensor.bucketing import group_indices
 
 LOW_PRECISION = validation.LOW_PRECISION
@@ -46,29 +47,49 @@ COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
 
 class _Bucket:
-    """One engine call per step: params of one device/dtype/step, their bound state, their step."""
+    """One engine call per step: params of one device/dtype/step, their bound state, their step.
 
-    __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device", "complex")
+    ``device_steps``: the backend keeps the step counter on the device and computes the step's
+    scalars there (``prepared.run_device_step``), reading GradScaler's ``found_inf`` there too,
+    so a step needs no host sync; the host's ``step`` then counts the steps attempted.
+    """
 
-    def __init__(self, rows: Optional[List[int]], params, prepared, step: int):
+    __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device", "complex",
+                 "device_steps", "grads")
+
+    def __init__(self, rows: Optional[List[int]], params, prepared, step: int, device_steps: bool):
         self.rows = rows              # indices into the group's params; None: all, in order
         self.params = params
         self.prepared = prepared
         self.step = step
         self.device = params[0].device
         self.complex = params[0].is_complex()
-        self.step_tensor = torch.tensor(float(step), dtype=torch.float32)
+        self.device_steps = device_steps
+        self.step_tensor = torch.full((), float(step), dtype=torch.float32,
+                                      device=self.device if device_steps else "cpu")
+        self.grads: Optional[List[torch.Tensor]] = None
 
-    def grads(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """This bucket's grads, as its op takes them (real views for complex params)."""
+    def bind(self, grads: List[Optional[torch.Tensor]]) -> bool:
+        """Take this step's grads (real views for complex params) if they fit the bucket."""
         mine = grads if self.rows is None else [grads[i] for i in self.rows]
         if self.complex:
             mine = [None if g is None else _real_view(g) for g in mine]
-        return mine
+        self.grads = mine
+        return self.prepared.bind(mine)
 
-    def advance(self) -> None:
-        self.step += 1
-        self.step_tensor.fill_(self.step)
+    def run(self, hyper: rules.AdamHyper, noop_flag: torch.Tensor,
+            skip_flag: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> None:
+        """One update; ``skip_flag``: a device flag (found_inf) that cancels it on the device."""
+        scale = None if grad_scale is None else grad_scale.to(self.device)
+        if self.device_steps:
+            flag = noop_flag if skip_flag is None else skip_flag.to(self.device)
+            self.prepared.run_device_step(self.step_tensor, hyper, flag, scale)
+            self.step += 1
+        else:
+            self.prepared.run(noop_flag, rules.step_scalars(hyper, self.step + 1), scale, False)
+            self.step += 1
+            self.step_tensor.fill_(self.step)
+        self.grads = None
 
 
 class _GroupPlan:
@@ -87,7 +108,22 @@ class _GroupPlan:
             return False
         if self.present is not None and self.present != _present(grads):
             return False
-        return all(b.prepared.bind(b.grads(grads)) for b in self.buckets)
+        return all(b.bind(grads) for b in self.buckets)
+
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def _same_option(a, b) -> bool:
+    """Whether a group option is unchanged: plain values by value, the rest by identity, and
+    tensors never (they can change in place)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_option(x, y) for x, y in zip(a, b))
+    if type(a) in _SIMPLE and type(b) is type(a):
+        return a == b
+    return a is b
 
 
 def _present(grads) -> tuple:
@@ -104,9 +140,20 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _supports_complex = False  # complex64/complex128 params, run as real views
 
-    def __init__(self, params, defaults: Dict[str, Any], chunk_size: int = multi_tensor_applier.chunk_size):
+    def __init__(self, params, defaults: Dict[str, Any], chunk_size: int = multi_tensor_applier.chunk_size,
+                 fused_unscale: bool = True, max_grad_norm: Optional[float] = None):
         validation.check_chunk_size(type(self).__name__, chunk_size)
+        if max_grad_norm is not None and not validation.real(
+                type(self).__name__, "max_grad_norm", max_grad_norm) > 0.0:
+            raise ValueError(f"{type(self).__name__}: max_grad_norm must be > 0, got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        self._checked_groups: Dict[int, list] = {}
         self._chunk_size = chunk_size
+        if not fused_unscale:
+            # GradScaler then unscales the grads itself before step() (what frameworks that clip
+            # gradients between unscale and step, e.g. Lightning's gradient_clip_val, require)
+            self._step_supports_amp_scaling = False
         self._plans: Dict[int, _GroupPlan] = {}
         super().__init__(params, defaults)
         self._check_params()
@@ -130,6 +177,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
         """Group options the bound lists depend on; when they change, the plan is rebuilt."""
         return None
+
+    def _step_dependent(self, group: Dict[str, Any]) -> bool:
+        """Whether the group's hyperparameters depend on the step number beyond the bias
+        corrections (an EMA schedule): then its buckets keep their step on the host."""
+        return False
 
     def _before_step(self) -> None:
         """Called at the start of every step, before anything is checked or modified."""
@@ -164,6 +216,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_plans", {})
         self.__dict__.setdefault("_chunk_size", multi_tensor_applier.chunk_size)
+        self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("last_grad_norm", None)
+        self.__dict__["_checked_groups"] = {}
         self._plans.clear()
         for group in self.param_groups:  # options added since the state was saved (as torch)
             for key, value in self.defaults.items():
@@ -176,7 +231,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
         Under ``torch.amp.GradScaler`` the scaler sets ``grad_scale`` and ``found_inf`` on the
         optimizer: grads are unscaled inside the kernel, and when ``found_inf`` is set nothing
-        changes (params, masters, moments, EMA and step).
+        changes (params, masters, moments, EMA and step). With ``max_grad_norm`` the global norm
+        of the unscaled grads is taken first and the clip factor joins the unscale factor.
         """
         loss = None
         if closure is not None:
@@ -184,32 +240,91 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 loss = closure()
         self._before_step()
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and bool(found_inf.item() != 0):
+        if found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item() != 0):
+            return loss  # before planning: a skipped first step creates no state either
+        work = [(bucket, hyper) for group in self.param_groups
+                for bucket, hyper in self._group_work(group)]
+        skip, skip_flag = self._overflow(found_inf, work)
+        if not skip:
+            skip, grad_scale = self._unscale_factor(work)
+        if skip:
+            for bucket, _ in work:
+                bucket.grads = None
             return loss
-        work = []
-        for group in self.param_groups:
-            grads = [p.grad for p in group["params"]]
-            plan = self._plan(group, grads)
-            if plan.buckets:
-                self._check_group(group)
-            hypers: Dict[int, rules.AdamHyper] = {}
-            for bucket in plan.buckets:
-                step = bucket.step + 1
-                if step not in hypers:
-                    hypers[step] = self._hyper(group, step)
-                work.append((bucket, rules.step_scalars(hypers[step], step)))
-        grad_scale: Optional[torch.Tensor] = getattr(self, "grad_scale", None)
-        for bucket, scalars in work:
-            scale = None if grad_scale is None else grad_scale.to(bucket.device)
-            bucket.prepared.run(self._noop_flag(bucket.device), scalars, scale, False)
-            bucket.advance()
+        for bucket, hyper in work:
+            bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale)
         return loss
+
+    def _group_work(self, group: Dict[str, Any]) -> List[tuple]:
+        """``[(bucket, hyperparameters)]`` of a group: planned, checked and bound."""
+        plan = self._plan(group, [p.grad for p in group["params"]])
+        if not plan.buckets:
+            return []
+        self._ensure_checked(group)
+        hypers: Dict[int, rules.AdamHyper] = {}
+        for bucket in plan.buckets:
+            if bucket.step + 1 not in hypers:
+                hypers[bucket.step + 1] = self._hyper(group, bucket.step + 1)
+        return [(bucket, hypers[bucket.step + 1]) for bucket in plan.buckets]
+
+    @staticmethod
+    def _overflow(found_inf: Optional[torch.Tensor], work) -> tuple:
+        """``(skip now, device flag)`` from GradScaler's ``found_inf`` on an accelerator.
+
+        Read on the host, except when every bucket reads it on the device (device steps): then
+        it is handed to the kernels and nothing syncs.
+        """
+        if found_inf is None or found_inf.device.type == "cpu" or not work:
+            return False, None
+        if found_inf.device.type != "cpu" and all(b.device_steps for b, _ in work):
+            return False, found_inf
+        return bool(found_inf.item() != 0), None
+
+    def _unscale_factor(self, work) -> tuple:
+        """``(skip, grad scale)``: the scale the kernels divide the grads by is GradScaler's,
+        with the clip factor folded in when clipping (``scale / clip`` in double, rounded once
+        to fp32); a non-finite grad norm skips the step."""
+        grad_scale = getattr(self, "grad_scale", None)
+        if self.max_grad_norm is None or not work:
+            return False, grad_scale
+        norm = self._grad_norm(work)
+        if grad_scale is not None:
+            norm = norm / grad_scale.to(device=norm.device, dtype=torch.float64)
+        self.last_grad_norm = norm
+        if not bool(torch.isfinite(norm)):  # one host read per step when clipping
+            return True, None
+        clip = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        scale = 1.0 if grad_scale is None else grad_scale.to(device=norm.device,
+                                                               dtype=torch.float64)
+        return False, (scale / clip).to(torch.float32)
+
+    def _grad_norm(self, work) -> torch.Tensor:
+        """The global L2 norm of the bound grads (as they are, scaled or not), in fp64: one
+        multi-tensor l2norm launch per bucket."""
+        squares = []
+        for bucket, _ in work:
+            backend = registry.backend_for(
+                "l2norm", bucket.device,
+                tensor_subclasses=validation.storageless([bucket.grads], ("grads",)) is not None)
+            total, _ = backend.ops["l2norm"](self._chunk_size, self._noop_flag(bucket.device),
+                                             [bucket.grads], False)
+            squares.append(total.to(device=work[0][0].device, dtype=torch.float64).square())
+        return torch.stack(squares).sum().sqrt()
+
+    def _ensure_checked(self, group: Dict[str, Any]) -> None:
+        """Check a group's options when they differ from the last checked values."""
+        values = [(k, v) for k, v in group.items() if k != "params"]
+        checked = self._checked_groups.get(id(group))
+        if checked is None or len(checked) != len(values) or not all(
+                ka == kb and _same_option(a, b) for (ka, a), (kb, b) in zip(values, checked)):
+            self._check_group(group)
+            self._checked_groups[id(group)] = values
 
     # --- plans --------------------------------------------------------------------------------
     def _plan(self, group: Dict[str, Any], grads: List[Optional[torch.Tensor]]) -> _GroupPlan:
         """The group's plan for these grads, every bucket bound (see the module docstring)."""
         params = group["params"]
-        signature = self._plan_signature(group)
+        signature = (self._plan_signature(group), self._step_dependent(group))
         plan = self._plans.get(id(group))
         if plan is not None and plan.bind(params, signature, grads):
             return plan
@@ -218,7 +333,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                           self._build_buckets(group, present, grads))
         self._plans[id(group)] = plan
         for bucket in plan.buckets:
-            if not bucket.prepared.bind(bucket.grads(grads)):
+            if not bucket.bind(grads):
                 raise RuntimeError(
                     f"{type(self).__name__}: the backend refused grads that passed the op check")
         return plan
@@ -260,8 +375,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         for rows, bucket_params, backend, state_lists in checked:
             prepared = backend.prepare_bucket(spec.name, state_lists, self._chunk_size)
             all_rows = len(rows) == len(params) and rows == list(range(len(params)))
+            device_steps = hasattr(prepared, "run_device_step") and not self._step_dependent(group)
             bucket = _Bucket(None if all_rows else rows, bucket_params, prepared,
-                             self._step_of(bucket_params[0]))
+                             self._step_of(bucket_params[0]), device_steps)
             for p in bucket_params:
                 self.state[p]["step"] = bucket.step_tensor
             buckets.append(bucket)

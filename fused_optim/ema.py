@@ -9,15 +9,55 @@ The EMA of a param that has not stepped yet is the param itself.
   :mod:`fused_optim.ema_schedules`). Decays are computed for every bucket before any tensor is
   modified, so a bad schedule value raises with nothing changed; ``last_ema_decays`` maps
   ``(group index, step)`` to the decays the last step used;
+* an opt-in EMA of a module's buffers (BatchNorm running statistics), as timm's ``ModelEmaV3``
+  and ema-pytorch's ``EMA`` keep: ``register_ema_buffers(module)`` (see "Buffer EMA" below);
 * evaluation with EMA weights: ``swap_ema_weights()`` (a context manager), and MindSpeed's /
   diffusers' ``store()`` / ``copy_to()`` / ``restore()``;
 * export: ``copy_ema_to(module_or_tensors)`` and ``ema_state_dict(module)``.
+
+Buffer EMA
+----------
+``opt.register_ema_buffers(model)`` makes the optimizer keep, for every persistent buffer of
+``model`` (those in ``model.state_dict()``), by its name in ``model``:
+
+* floating-point buffers (``running_mean``, ``running_var``): an EMA, kept in fp32 (fp64 for fp64
+  buffers) on the buffer's device, starting as the buffer's value at registration. After every
+  ``step()`` that made an EMA update it is updated with the decay ``d`` of that step's param EMA:
+  ``torch._foreach_lerp_(ema, buffer, 1 - d)``, i.e. torch's lerp, ``s + (1 - d) * (b - s)``
+  (``b - (b - s) * d`` where ``1 - d >= 0.5``), the same unbiased form as the kernel's param
+  update but computed by torch (which may fuse the multiply-add, so it is not bit-identical to a
+  kernel update of the same values). ``d`` is the decay of the lowest-indexed param group that
+  made an EMA update in that step (``min`` over ``last_ema_decays``' group indices) and, if its
+  params were at different steps, the decay of its most advanced ones (largest step). With one
+  param group and every param stepping together, that is simply the decay of the step;
+* other buffers (``num_batches_tracked``): a copy, taken after every such step.
+
+A ``step()`` that makes no EMA update leaves the buffer EMA alone: no grads, or a step that
+``torch.amp.GradScaler`` skips (``found_inf``; read on the device, without a host sync, when
+``found_inf`` is not on the CPU). The update runs in a step post-hook
+(``torch.optim.Optimizer.register_step_post_hook``), after any post-hooks registered before it.
+
+``swap_ema_weights()``, ``copy_ema_to(None | module)``, ``store()`` / ``restore()`` of
+``None`` / a module and ``ema_state_dict(module)`` then include the buffers (matched by name;
+integer buffers get the copy), unless called with ``ema_buffers=False``.
+
+The buffer EMA is saved by ``state_dict()`` under the top-level key ``"ema_buffers"``
+(``{buffer name: tensor}``), next to ``"state"`` and ``"param_groups"``, and restored bit for bit
+by ``load_state_dict()``. Not in ``"state"``: torch's convention (and tools built on it, such as
+``torch.distributed.checkpoint`` and FSDP's optimizer state-dict helpers) is that ``"state"`` is
+keyed by param index. Not in ``defaults``: ``state_dict()`` does not save them and
+``add_param_group`` copies them into every new group. ``torch.optim`` optimizers ignore the extra
+top-level key when they load the state dict. Loading a state dict without the key (torch's, or
+saved before ``register_ema_buffers``) restarts the buffer EMA from the module's current buffers.
+A buffer EMA loaded before ``register_ema_buffers(model)`` is kept by it (names and shapes must
+match). The registered module is not part of the state dict; it is kept (by reference) when the
+optimizer itself is pickled or deep-copied.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -26,12 +66,42 @@ from . import ema_schedules
 Params = Union[None, torch.nn.Module, Iterable[torch.Tensor]]
 _KEEP = object()
 
+# The state_dict() key of the buffer EMA (top level, next to "state" and "param_groups").
+BUFFERS_KEY = "ema_buffers"
+
+
+def _buffer_ema_post_hook(optimizer, args, kwargs) -> None:
+    """The step post-hook :meth:`EmaAccessMixin.register_ema_buffers` installs."""
+    optimizer._update_ema_buffers()
+
+
+def _persistent_buffers(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` for the persistent buffers of ``module``, as ``named_buffers()`` names them."""
+    result, seen = [], set()
+    for prefix, sub in module.named_modules():
+        for key, buf in sub._buffers.items():
+            if buf is None or key in sub._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            result.append((f"{prefix}.{key}" if prefix else key, buf))
+    return result
+
+
+def _new_buffer_ema(buf: torch.Tensor) -> torch.Tensor:
+    """The initial buffer EMA: fp32 (fp64 for fp64) for floating buffers, else an exact copy."""
+    if buf.is_floating_point():
+        return buf.detach().to(dtype=torch.promote_types(buf.dtype, torch.float32), copy=True)
+    return buf.detach().clone()
+
 
 class EmaAccessMixin:
     """EMA schedules and EMA access for a :class:`FusedOptimizerBase` subclass (list it first)."""
 
     _ema_swapped = False
     _ema_stored: Optional[List[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
+    _ema_stored_buffers: Optional[Dict[str, torch.Tensor]] = None
+    _ema_buffer_module: Optional[torch.nn.Module] = None
+    _ema_buffer_avg: Optional[Dict[str, torch.Tensor]] = None  # name -> EMA (float) / copy
     last_ema_decays: Dict[Tuple[int, int], float] = {}
 
     # --- schedules ----------------------------------------------------------------------------
@@ -71,6 +141,226 @@ class EmaAccessMixin:
         for group in self.param_groups:
             group.update(given)
         self.defaults.update(given)
+
+    # --- buffer EMA -------------------------------------------------------------------------------
+    def register_ema_buffers(self, module: torch.nn.Module, *, reset: bool = False) -> None:
+        """Keep an EMA of ``module``'s floating-point buffers and a copy of its other buffers.
+
+        See "Buffer EMA" in the module docstring: updated after every step that makes an EMA
+        update, with that step's param decay (of the first param group that made one); skipped
+        steps (``GradScaler``) leave it alone; saved by ``state_dict()`` under ``"ema_buffers"``.
+
+        Registering again (e.g. the same model after ``load_state_dict``) keeps the EMA of every
+        buffer already kept under the same name and shape, and starts the others from the
+        module's current values. A kept name the module lacks raises ``ValueError``, as does a
+        shape mismatch; ``reset=True`` discards the kept buffer EMA and starts afresh.
+        """
+        name = type(self).__name__
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"{name}.register_ema_buffers: expected a torch.nn.Module, "
+                            f"got {type(module).__name__}")
+        if not any(g.get("ema_decay") is not None for g in self.param_groups):
+            raise ValueError(f"{name}.register_ema_buffers: no param group keeps an EMA "
+                             f"(ema_decay is None everywhere), so no step would update the buffers")
+        if self._ema_swapped:
+            raise RuntimeError(f"{name}.register_ema_buffers() inside swap_ema_weights()")
+        buffers = _persistent_buffers(module)
+        kept = {} if reset or self._ema_buffer_avg is None else self._ema_buffer_avg
+        missing = sorted(set(kept) - {n for n, _ in buffers})
+        if missing:
+            raise ValueError(
+                f"{name}.register_ema_buffers: the optimizer keeps a buffer EMA for {missing} but "
+                f"the module has no such persistent buffer; register the module it was kept for, "
+                f"or pass reset=True to start the buffer EMA afresh")
+        averages = {}
+        for key, buf in buffers:
+            old = kept.get(key)
+            if old is None:
+                averages[key] = _new_buffer_ema(buf)
+                continue
+            self._check_buffer_match(f"{name}.register_ema_buffers", key, buf, old)
+            averages[key] = old if old.device == buf.device else old.to(device=buf.device)
+        self._ema_buffer_module = module
+        self._ema_buffer_avg = averages
+        self._ensure_buffer_hook()
+
+    def unregister_ema_buffers(self) -> None:
+        """Drop the buffer EMA and the module registered by :meth:`register_ema_buffers`."""
+        self._ema_buffer_module = None
+        self._ema_buffer_avg = None
+        self._ema_stored_buffers = None
+        hooks = self._optimizer_step_post_hooks
+        for key in [k for k, h in hooks.items() if h is _buffer_ema_post_hook]:
+            del hooks[key]
+
+    @property
+    def ema_buffers(self) -> Dict[str, torch.Tensor]:
+        """``{buffer name: EMA (floating buffers) or copy (others)}``, by reference; ``{}`` if none."""
+        return dict(self._ema_buffer_avg or {})
+
+    def _ensure_buffer_hook(self) -> None:
+        if not any(h is _buffer_ema_post_hook for h in self._optimizer_step_post_hooks.values()):
+            self.register_step_post_hook(_buffer_ema_post_hook)
+
+    @staticmethod
+    def _check_buffer_match(what: str, key: str, buf: torch.Tensor, kept: torch.Tensor) -> None:
+        if buf.shape != kept.shape or buf.is_floating_point() != kept.is_floating_point():
+            raise ValueError(
+                f"{what}: buffer {key!r} is {buf.dtype} of shape {tuple(buf.shape)} but its kept "
+                f"EMA is {kept.dtype} of shape {tuple(kept.shape)}")
+
+    def _ema_buffer_decay(self) -> Optional[float]:
+        """The decay of this step's buffer EMA update (see the module docstring); None: no update."""
+        decays = self.last_ema_decays
+        if not decays:
+            return None
+        group = min(g for g, _ in decays)
+        step = max(t for g, t in decays if g == group)
+        return decays[(group, step)]
+
+    @torch.no_grad()
+    def _update_ema_buffers(self) -> None:
+        """The step post-hook: move the buffer EMA by this step's decay (nothing if none)."""
+        averages, module = self._ema_buffer_avg, self._ema_buffer_module
+        if not averages or module is None:
+            return
+        decay = self._ema_buffer_decay()
+        if decay is None:
+            return
+        skip = None
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            if found_inf.device.type == "cpu":
+                if bool((found_inf != 0).any()):
+                    return
+            else:  # decided on the device, without a host sync
+                skip = (found_inf != 0).any()
+        self._lerp_ema_buffers(decay, skip)
+
+    @torch.no_grad()
+    def _lerp_ema_buffers(self, decay: float, skip: Optional[torch.Tensor] = None) -> None:
+        """``ema = lerp(ema, buffer, 1 - decay)``, copies for the others; ``skip``: a bool tensor
+        that, when true, leaves everything as it is (decided where ``skip`` lives, no sync)."""
+        averages, module = self._ema_buffer_avg, self._ema_buffer_module
+        targets = self._buffer_targets(f"{type(self).__name__}.step (buffer EMA)", module)
+        lerp: Dict[Tuple[torch.device, torch.dtype], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        for key, buf in targets:
+            avg = averages[key]
+            if avg.device != buf.device:  # the module was moved: the EMA follows it
+                avg = averages[key] = avg.to(device=buf.device)
+            if not avg.is_floating_point():
+                avg.copy_(buf if skip is None
+                          else torch.where(skip.to(avg.device), avg, buf.to(avg.dtype)))
+                continue
+            src = buf.detach()
+            if src.dtype != avg.dtype:
+                src = src.to(avg.dtype)
+            avgs, srcs = lerp.setdefault((avg.device, avg.dtype), ([], []))
+            avgs.append(avg)
+            srcs.append(src)
+        weight = 1.0 - decay
+        for avgs, srcs in lerp.values():
+            if skip is None:
+                torch._foreach_lerp_(avgs, srcs, weight)
+                continue
+            new = [a.clone() for a in avgs]
+            torch._foreach_lerp_(new, srcs, weight)
+            for avg, value in zip(avgs, new):
+                avg.copy_(torch.where(skip.to(avg.device), avg, value))
+
+    def _buffer_targets(self, what: str, module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
+        """``(name, buffer of module)`` for every kept buffer EMA, checked (raises before any write)."""
+        result = []
+        for key, avg in (self._ema_buffer_avg or {}).items():
+            try:
+                buf = module.get_buffer(key)
+            except AttributeError:
+                buf = None
+            if buf is None:
+                raise ValueError(f"{what}: the module has no buffer {key!r}, which the optimizer "
+                                 f"keeps a buffer EMA for (register_ema_buffers)")
+            self._check_buffer_match(what, key, buf, avg)
+            result.append((key, buf))
+        return result
+
+    def _buffer_module_for(self, what: str, target: Params, ema_buffers: Optional[bool]
+                           ) -> Optional[torch.nn.Module]:
+        """The module whose buffers an EMA call on ``target`` includes (None: no buffers)."""
+        if ema_buffers is False:
+            return None
+        registered = self._ema_buffer_avg is not None and (
+            target is not None or self._ema_buffer_module is not None)
+        if not registered:
+            if ema_buffers:
+                raise ValueError(f"{what}: ema_buffers=True but no buffer EMA is kept for this "
+                                 f"target; call register_ema_buffers(module) first")
+            return None
+        if target is None:
+            return self._ema_buffer_module
+        if isinstance(target, torch.nn.Module):
+            return target
+        if ema_buffers:
+            raise TypeError(f"{what}: ema_buffers=True needs a module (buffers are matched by "
+                            f"name), got {type(target).__name__}")
+        return None
+
+    # --- state dict (the buffer EMA) ------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The optimizer's state dict, plus the buffer EMA under ``"ema_buffers"`` when one is kept.
+
+        Buffer EMA tensors are returned by reference, as torch returns state.
+        """
+        state_dict = super().state_dict()
+        if self._ema_buffer_avg is not None:
+            state_dict[BUFFERS_KEY] = dict(self._ema_buffer_avg)
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict; its ``"ema_buffers"`` (if any) becomes the buffer EMA, bit for bit.
+
+        Without that key (torch's state dicts, or saved without a buffer EMA) the buffer EMA of a
+        registered module restarts from its current buffers. With a registered module the saved
+        names and shapes must match its buffers; a mismatch raises before anything is loaded.
+        """
+        name = type(self).__name__
+        saved = state_dict.get(BUFFERS_KEY) if isinstance(state_dict, Mapping) else None
+        module = self._ema_buffer_module
+        if saved is not None:
+            if not isinstance(saved, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in saved.items()):
+                raise TypeError(f"{name}.load_state_dict: {BUFFERS_KEY!r} must map buffer names "
+                                f"to tensors")
+            if module is not None:
+                buffers = dict(_persistent_buffers(module))
+                if set(buffers) != set(saved):
+                    raise ValueError(
+                        f"{name}.load_state_dict: the saved buffer EMA has buffers "
+                        f"{sorted(saved)} but the registered module has {sorted(buffers)}")
+                for key, value in saved.items():
+                    self._check_buffer_match(f"{name}.load_state_dict", key, buffers[key], value)
+        super().load_state_dict(state_dict)
+        if saved is not None:
+            devices = dict(_persistent_buffers(module)) if module is not None else {}
+            self._ema_buffer_avg = {
+                key: value.detach().to(device=devices[key].device if key in devices else value.device,
+                                       copy=True)
+                for key, value in saved.items()}
+        elif module is not None:
+            self._ema_buffer_avg = {key: _new_buffer_ema(buf) for key, buf in _persistent_buffers(module)}
+        else:
+            self._ema_buffer_avg = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        if self._ema_buffer_avg is not None:
+            state["_ema_buffer_avg"] = self._ema_buffer_avg
+            state["_ema_buffer_module"] = self._ema_buffer_module
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self._ema_buffer_module is not None:  # hooks are not pickled: install it again
+            self._ensure_buffer_hook()
 
     # --- helpers ------------------------------------------------------------------------------
     def _own_params(self) -> List[torch.Tensor]:
@@ -150,35 +440,47 @@ class EmaAccessMixin:
 
     # --- swap ---------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def swap_ema_weights(self, enabled: bool = True) -> Iterator[None]:
+    def swap_ema_weights(self, enabled: bool = True, *, ema_buffers: Optional[bool] = None
+                         ) -> Iterator[None]:
         """Within the block the params hold their EMA weights (rounded to the param dtype).
 
-        On exit, also on an exception, every param gets back exactly the value it had. Masters,
-        moments and the EMA itself are untouched. ``enabled=False`` makes it a no-op, for
-        ``with opt.swap_ema_weights(enabled=use_ema):``. ``step()`` inside the block raises.
+        With a buffer EMA (:meth:`register_ema_buffers`) the registered module's buffers hold
+        theirs too (floating buffers their EMA rounded to the buffer dtype, others the copy),
+        unless ``ema_buffers=False``. On exit, also on an exception, every param and buffer gets
+        back exactly the value it had. Masters, moments and the EMA itself are untouched.
+        ``enabled=False`` makes it a no-op, for ``with opt.swap_ema_weights(enabled=use_ema):``.
+        ``step()`` inside the block raises.
         """
         if not enabled:
             yield
             return
         if self._ema_swapped:
             raise RuntimeError("swap_ema_weights() is already active")
+        what = f"{type(self).__name__}.swap_ema_weights"
+        module = self._buffer_module_for(what, None, ema_buffers)
+        buffers = self._buffer_targets(what, module) if module is not None else []
         pairs = self._ema_pairs()
         params = [p for p, _ in pairs]
         with torch.no_grad():
             backup = self._snapshot(params, with_masters=False)
+            buffer_backup = [buf.detach().clone() for _, buf in buffers]
             self._ema_swapped = True
             try:
                 for p, ema in pairs:
                     p.copy_(ema)
+                for key, buf in buffers:
+                    buf.copy_(self._ema_buffer_avg[key])
                 yield
             finally:
                 for p, (value, _) in zip(params, backup):
                     p.copy_(value)
+                for (_, buf), value in zip(buffers, buffer_backup):
+                    buf.copy_(value)
                 self._ema_swapped = False
 
     # --- copy ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def copy_ema_to(self, params: Params = None) -> None:
+    def copy_ema_to(self, params: Params = None, *, ema_buffers: Optional[bool] = None) -> None:
         """Copy the EMA weights into ``params`` (a module, or tensors in the optimizer's param order).
 
         ``None`` copies them into the optimizer's own params. A target that is one of the
@@ -187,13 +489,27 @@ class EmaAccessMixin:
         params with masters as for fp32 ones (MindSpeed's ``copy_to`` semantics). Moments and the
         EMA are untouched. Use :meth:`store` first and :meth:`restore` after to get the training
         weights (and masters) back exactly.
+
+        With a buffer EMA (:meth:`register_ema_buffers`), ``None`` also copies it into the
+        registered module's buffers and a module target gets it in its buffers of the same names
+        (``ema_buffers=False``: params only; ``True``: raise if there is no buffer EMA to copy).
+        Every target is checked before anything is written.
         """
+        what = f"{type(self).__name__}.copy_ema_to"
         own = self._own_params()
         targets = self._targets("copy_ema_to", params)
-        if self._ema_swapped and any(t is p for t, p in zip(targets, own)):
-            raise RuntimeError(
-                f"{type(self).__name__}.copy_ema_to() into the optimizer's own params inside "
-                f"swap_ema_weights(): the block restores them on exit; copy after it ends")
+        module = self._buffer_module_for(what, params, ema_buffers)
+        buffers = self._buffer_targets(what, module) if module is not None else []
+        if self._ema_swapped:
+            into_own = any(t is p for t, p in zip(targets, own))
+            if not into_own and buffers and self._ema_buffer_module is not None:
+                registered = {id(b) for _, b in _persistent_buffers(self._ema_buffer_module)}
+                into_own = any(id(buf) in registered for _, buf in buffers)
+            if into_own:
+                raise RuntimeError(
+                    f"{type(self).__name__}.copy_ema_to() into the optimizer's own params or "
+                    f"registered buffers inside swap_ema_weights(): the block restores them on "
+                    f"exit; copy after it ends")
         for target, p in zip(targets, own):
             ema = self._ema_of(p)
             if target is not ema:
@@ -201,11 +517,14 @@ class EmaAccessMixin:
             master = self._master_of(p)
             if target is p and master is not None and ema is not p:
                 master.copy_(ema)
+        for key, buf in buffers:
+            buf.copy_(self._ema_buffer_avg[key])
 
     def copy_to(self, parameters: Params = None) -> None:
         """MindSpeed / diffusers ``copy_to``: copy the EMA weights into ``parameters``.
 
-        ``None``: the optimizer's own params (MindSpeed's ``copy_to()``). Same as :meth:`copy_ema_to`.
+        ``None``: the optimizer's own params (MindSpeed's ``copy_to()``). Same as :meth:`copy_ema_to`
+        (buffer EMA included for ``None`` and modules).
         """
         self.copy_ema_to(parameters)
 
@@ -216,47 +535,86 @@ class EmaAccessMixin:
 
         As MindSpeed's / diffusers' ``store``. For the optimizer's own params the fp32 masters are
         saved too, so ``store(); copy_to(); ...; restore()`` gives back params *and* masters
-        bit for bit. A later ``store`` replaces the saved copies.
+        bit for bit. With a buffer EMA, the buffers :meth:`copy_ema_to` would write for the same
+        argument (``None``: the registered module's; a module: its own) are saved too. A later
+        ``store`` replaces the saved copies.
         """
+        what = f"{type(self).__name__}.store"
         targets = self._own_params() if parameters is None else self._as_tensors(parameters)
         for i, t in enumerate(targets):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"store: parameters[{i}] is a {type(t).__name__}, not a tensor")
+        module = self._buffer_module_for(what, parameters, None)
+        buffers = self._buffer_targets(what, module) if module is not None else []
         self._ema_stored = self._snapshot(targets, with_masters=True)
+        self._ema_stored_buffers = {key: buf.detach().clone() for key, buf in buffers}
 
     @torch.no_grad()
     def restore(self, parameters: Params = None) -> None:
         """Copy the values saved by :meth:`store` back into ``parameters`` (default: own params).
 
         Exact (the saved copies keep the dtype), and masters saved with the params are restored as
-        well; the masters of own params restored without one follow the restored values. The saved
-        copies are released afterwards, as in diffusers (a second ``restore`` raises).
+        well; the masters of own params restored without one follow the restored values. Buffers
+        saved by ``store`` are written back by name into the registered module (``None``) or into
+        the module given. The saved copies are released afterwards, as in diffusers (a second
+        ``restore`` raises).
         """
         saved = self._ema_stored
         if saved is None:
             raise RuntimeError(
                 f"{type(self).__name__}.restore(): nothing to restore; call store() first")
+        what = f"{type(self).__name__}.restore"
         targets = self._own_params() if parameters is None else self._as_tensors(parameters)
         self._check_matches("restore", targets, [value for value, _ in saved], "store() saved")
+        saved_buffers = self._ema_stored_buffers or {}
+        module = self._ema_buffer_module if parameters is None else (
+            parameters if isinstance(parameters, torch.nn.Module) else None)
+        buffers = []
+        if saved_buffers and module is not None:
+            for key, value in saved_buffers.items():
+                try:
+                    buf = module.get_buffer(key)
+                except AttributeError:
+                    buf = None
+                if buf is None or buf.shape != value.shape:
+                    raise ValueError(f"{what}: the module has no buffer {key!r} of shape "
+                                     f"{tuple(value.shape)}, which store() saved")
+                buffers.append((buf, value))
         self._write_back(targets, saved)
+        for buf, value in buffers:
+            buf.copy_(value)
         self._ema_stored = None
+        self._ema_stored_buffers = None
 
     # --- export -------------------------------------------------------------------------------
     @torch.no_grad()
-    def ema_state_dict(self, module: torch.nn.Module, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    def ema_state_dict(self, module: torch.nn.Module, dtype: Optional[torch.dtype] = None, *,
+                       ema_buffers: Optional[bool] = None) -> Dict[str, torch.Tensor]:
         """``module.state_dict()`` with every optimized param replaced by a copy of its EMA.
 
         Values are in the param's dtype unless ``dtype`` is given (e.g. ``torch.float32`` to export
-        the unrounded fp32 EMA of a bf16 model). Buffers and params this optimizer does not hold
-        are copied as they are.
+        the unrounded fp32 EMA of a bf16 model). With a buffer EMA (:meth:`register_ema_buffers`;
+        ``ema_buffers=None`` or ``True``) the module's buffers of the kept names are replaced by
+        their EMA (floating buffers, in the buffer's dtype unless ``dtype`` is given) or the kept
+        copy (others); ``ema_buffers=True`` raises if no buffer EMA is kept, ``False`` leaves the
+        buffers out of it. Other buffers and params this optimizer does not hold are copied as
+        they are.
         """
+        what = f"{type(self).__name__}.ema_state_dict"
         emas = {id(p): ema for p, ema in self._ema_pairs()}
         params = dict(module.named_parameters(remove_duplicate=False))
+        buffer_module = self._buffer_module_for(what, module, ema_buffers)
+        buffer_emas: Dict[int, torch.Tensor] = {}
+        if buffer_module is not None:
+            for key, buf in self._buffer_targets(what, buffer_module):
+                buffer_emas[id(buf)] = self._ema_buffer_avg[key]
         result = OrderedDict()
         for name, value in module.state_dict(keep_vars=True).items():
             source = value
             if name in params and id(params[name]) in emas:
                 source = emas[id(params[name])]
+            elif id(value) in buffer_emas:  # by identity: names aliasing one buffer all get it
+                source = buffer_emas[id(value)]
             target_dtype = dtype if (dtype is not None and value.is_floating_point()) else value.dtype
             result[name] = source.detach().to(dtype=target_dtype, copy=True)
         return result

@@ -55,6 +55,11 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
             kernel (no extra pass). ``False``: the scaler unscales the grads itself before
             ``step()``, for code that clips or inspects grads in between (Lightning's
             ``gradient_clip_val``).
+        max_grad_norm: clip the grads to this global L2 norm (of the unscaled grads, over every
+            param with a grad, as ``torch.nn.utils.clip_grad_norm_``): one multi-tensor l2norm
+            launch per bucket, and the clip factor folded into the kernel's grad multiplier (no
+            extra pass over the grads). A non-finite norm skips the step. ``last_grad_norm``
+            holds the norm of the last step.
         chunk_size: elements per unit of parallel work (never changes a result).
 
     State per param: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq``, ``ema`` and,
@@ -70,7 +75,7 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                  ema_min_decay: float = 0.0, amsgrad: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
-                 fused_unscale: bool = True,
+                 fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         check_torch_options(type(self).__name__, lr, betas, foreach=foreach, fused=fused,
                             capturable=capturable, differentiable=differentiable)
@@ -83,7 +88,8 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                         ema_start_step=ema_start_step, ema_inv_gamma=ema_inv_gamma,
                         ema_power=ema_power, ema_min_decay=ema_min_decay)
         self._check_group(defaults)
-        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale)
+        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
+                         max_grad_norm=max_grad_norm)
 
     # State, state lists, group checks (EMA schedule options included) and the op: AdamStateMixin,
     # shared with FusedAdam/FusedAdamW/FusedRAdam.

@@ -1,7 +1,10 @@
 r"""EMA decay schedules for the optimizers that keep an EMA of the weights.
 
-The EMA update itself is the kernel's ``s = decay * s + (1 - decay) * p``; a schedule only picks the
-scalar ``decay`` of each update, so every schedule runs on the unchanged fused kernel.
+The EMA update itself is the kernel's unbiased (lerp) form ``s = s + (1 - decay) * (p - s)``
+(:mod:`multi_tensor.rules`; ``= decay * s + (1 - decay) * p`` in exact arithmetic); a schedule
+only picks the scalar ``decay`` of each update, so every schedule runs on the unchanged fused
+kernel. Decays are Python floats (double precision), computed from the formulas below exactly as
+written; the kernel rounds ``1 - decay`` once to its math type (fp32; fp64 for fp64 params).
 
 The counter
 -----------
@@ -11,8 +14,12 @@ does not advance when a param has no grad or when ``GradScaler`` skips a step on
 ``ema_start_step`` (``S``, a param-group option, also saved) delays the EMA::
 
     n = t - S                 # the EMA update count: 1 on the first update after the start step
-    decay = 0.0               if n <= 0   (before the start the EMA tracks the param: s = p exactly)
+    decay = 0.0               if n <= 0   (before the start the EMA tracks the param)
     decay = schedule(n)       otherwise
+
+With ``decay = 0.0`` the update is ``s = s + (p - s)``: the param's value, exactly whenever
+``p - s`` is exact (``s`` and ``p`` within a factor 2 of each other, as consecutive weights
+typically are), else within one rounding of it.
 
 Because both ``t`` and ``S`` are in the state dict, a ``state_dict()`` / ``load_state_dict()``
 round trip continues a schedule exactly.
@@ -25,25 +32,42 @@ Schedules (``ema_schedule``)
     MindSpeed's ``FusedEmaAdamW(use_num_updates=True)``: ``min(decay, (1 + n) / (10 + n))``.
     MindSpeed increments its ``num_updates`` before using it, so its first update has ``n = 1``,
     as here (``S = 0``). Unlike MindSpeed, whose counter is one optimizer-wide integer that also
-    counts steps where a param had no grad, ``n`` here is per param.
+    counts steps where a param had no grad (and is not saved by ``state_dict()``), ``n`` here is
+    per param.
 ``"diffusers"``
-    diffusers' ``EMAModel(use_ema_warmup=True)`` ``get_decay``, with ``update_after_step = S`` and
-    ``optimization_step = t`` (diffusers also increments before use)::
+    diffusers' ``EMAModel`` with its default ``use_ema_warmup=False``: ``get_decay`` with
+    ``update_after_step = S`` and ``optimization_step = t`` (diffusers increments
+    ``optimization_step`` before ``get_decay``, once per ``EMAModel.step()``)::
 
         k = max(0, t - S - 1)                  # = max(0, n - 1)
-        decay = 0.0                                                   if k <= 0
+        decay = 0.0                                              if k <= 0
+        decay = max(min((1 + k) / (10 + k), decay), min_decay)   otherwise
+
+    (``ema_min_decay`` = 0 by default, as diffusers). Note the ``- 1``: diffusers' first update
+    after ``update_after_step`` still has decay 0.0, and that 0.0 is not raised to
+    ``min_decay``. (Earlier versions of this package used ``"diffusers"`` for the warm-up
+    formula that is now ``"diffusers_warmup"``; a state dict saved by them with
+    ``ema_schedule="diffusers"`` continues with the ``(1 + k) / (10 + k)`` formula.)
+``"diffusers_warmup"``
+    diffusers' ``EMAModel(use_ema_warmup=True)``: the same counter and clamping with
+    ``1 - (1 + k / inv_gamma) ** -power`` in place of ``(1 + k) / (10 + k)``::
+
+        decay = 0.0                                                             if k <= 0
         decay = max(min(1 - (1 + k / inv_gamma) ** -power, decay), min_decay)   otherwise
 
-    (``ema_inv_gamma`` = 1, ``ema_power`` = 2/3, ``ema_min_decay`` = 0 by default, as diffusers).
-    Note the ``- 1``: diffusers' first update after ``update_after_step`` still has decay 0.0, and
-    that 0.0 is not raised to ``min_decay``. diffusers without warm-up (``use_ema_warmup=False``,
-    decay 0.0 up to step ``update_after_step + 1``, then ``max(decay, min_decay)``) is
-    ``"constant"`` with ``ema_start_step = update_after_step + 1``.
+    (``ema_inv_gamma`` = 1, ``ema_power`` = 2/3 by default, as diffusers). timm's
+    ``ModelEmaV3(use_warmup=True)`` with ``update(model, step=t)`` computes the same decays;
+    ema-pytorch's ``EMA(update_every=1)`` the same formula, which it evaluates in fp32 tensors
+    (so its decays differ from these in the last bits). See the migration table in the README.
 a callable ``fn(n) -> float``
     ``fn`` gets the EMA update count ``n >= 1`` and returns the decay, used as it is (``ema_decay``
     does not cap it). A value outside ``[0, 1)`` raises ``ValueError`` naming it and the step,
     before any tensor is modified. It is stored in the param group by reference: ``torch.save``
     of a state dict then needs a picklable (module-level) function.
+
+``ema_min_decay`` is used by ``"diffusers"`` and ``"diffusers_warmup"``, ``ema_inv_gamma`` and
+``ema_power`` by ``"diffusers_warmup"`` only; the other schedules ignore them. Schedule names are
+case-insensitive.
 """
 from __future__ import annotations
 
@@ -55,7 +79,9 @@ import torch
 
 Schedule = Union[None, str, Callable[[int], float]]
 
-SCHEDULES = ("constant", "warmup", "diffusers")
+SCHEDULES = ("constant", "warmup", "diffusers", "diffusers_warmup")
+# The schedules clamped to [ema_min_decay, ema_decay].
+CLAMPED_SCHEDULES = ("diffusers", "diffusers_warmup")
 
 # Param-group options of the EMA optimizers, with their defaults (also what a group saved before
 # schedules existed means).
@@ -73,7 +99,7 @@ def _is_real(x) -> bool:
 
 
 def _schedule_name(schedule: Schedule) -> Optional[str]:
-    """``"constant"``, ``"warmup"``, ``"diffusers"`` or ``None`` for a callable."""
+    """The lower-cased schedule name (``"constant"`` for ``None``), or ``None`` for a callable."""
     if schedule is None:
         return "constant"
     if isinstance(schedule, str):
@@ -102,10 +128,11 @@ def check_ema_options(owner: str, *, ema_decay=None, ema_schedule: Schedule = No
             raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
     if not _is_real(ema_min_decay) or not 0.0 <= float(ema_min_decay) < 1.0:
         raise ValueError(f"{owner}: ema_min_decay must be a number in [0, 1), got {ema_min_decay!r}")
-    if (_schedule_name(ema_schedule) == "diffusers" and ema_decay is not None and _is_real(ema_decay)
+    name = _schedule_name(ema_schedule)
+    if (name in CLAMPED_SCHEDULES and ema_decay is not None and _is_real(ema_decay)
             and float(ema_min_decay) > float(ema_decay)):
         raise ValueError(
-            f"{owner}: ema_min_decay={ema_min_decay} is above ema_decay={ema_decay}; the diffusers "
+            f"{owner}: ema_min_decay={ema_min_decay} is above ema_decay={ema_decay}; the {name!r} "
             f"schedule clamps the decay to [ema_min_decay, ema_decay]")
 
 
@@ -114,8 +141,18 @@ def warmup_decay(n: int, decay: float) -> float:
     return min(decay, (1 + n) / (10 + n))
 
 
-def diffusers_decay(n: int, decay: float, inv_gamma: float = 1.0, power: float = 2.0 / 3.0,
-                    min_decay: float = 0.0) -> float:
+def diffusers_decay(n: int, decay: float, min_decay: float = 0.0) -> float:
+    """diffusers ``EMAModel.get_decay`` (default ``use_ema_warmup=False``), ``n = t - update_after_step``."""
+    k = max(0, n - 1)
+    if k <= 0:
+        return 0.0
+    value = (1 + k) / (10 + k)
+    value = min(value, decay)
+    return max(value, min_decay)
+
+
+def diffusers_warmup_decay(n: int, decay: float, inv_gamma: float = 1.0, power: float = 2.0 / 3.0,
+                           min_decay: float = 0.0) -> float:
     """diffusers ``EMAModel.get_decay`` with ``use_ema_warmup=True``, ``n = t - update_after_step``."""
     k = max(0, n - 1)
     if k <= 0:
@@ -142,7 +179,10 @@ def ema_decay_at(step: int, ema_decay: float, ema_schedule: Schedule = None, ema
     if name == "warmup":
         return warmup_decay(n, decay)
     if name == "diffusers":
-        return diffusers_decay(n, decay, float(ema_inv_gamma), float(ema_power), float(ema_min_decay))
+        return diffusers_decay(n, decay, float(ema_min_decay))
+    if name == "diffusers_warmup":
+        return diffusers_warmup_decay(n, decay, float(ema_inv_gamma), float(ema_power),
+                                      float(ema_min_decay))
     value = ema_schedule(n)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()

@@ -42,6 +42,11 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
             kernel (no extra pass). ``False``: the scaler unscales the grads itself before
             ``step()``, for code that clips or inspects grads in between (Lightning's
             ``gradient_clip_val``).
+        max_grad_norm: clip the grads to this global L2 norm (of the unscaled grads, over every
+            param with a grad, as ``torch.nn.utils.clip_grad_norm_``): one multi-tensor l2norm
+            launch per bucket, and the clip factor folded into the kernel's grad multiplier (no
+            extra pass over the grads). A non-finite norm skips the step. ``last_grad_norm``
+            holds the norm of the last step.
         chunk_size: elements per unit of parallel work (never changes a result).
 
     State per param: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` (as torch),
@@ -56,11 +61,12 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                  *, ema_decay: Optional[float] = None, master_weights: bool = True,
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
-                 fused_unscale: bool = True,
+                 fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay, ema_decay=ema_decay,
                         master_weights=master_weights, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable)
         self._check_group(defaults)
-        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale)
+        super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
+                         max_grad_norm=max_grad_norm)

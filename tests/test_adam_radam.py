@@ -198,8 +198,11 @@ def test_fused_adamw_defaults_and_groups_like_torch():
         if key != "params":
             assert ours.param_groups[0][key] == value, key
     assert ours.param_groups[0]["master_weights"] is True
-    # foreach / fused accepted and ignored
-    FusedAdamW([p], foreach=True, fused=True)
+    # foreach / fused accepted and ignored; both True is torch's RuntimeError
+    FusedAdamW([p], foreach=True)
+    FusedAdamW([p], fused=True)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        FusedAdamW([p], foreach=True, fused=True)
     FusedRAdam([p], foreach=False)
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the demo (default) or the tests (--test) need, then this package with its C++ kernels.
 #
-#   bash tools/bootstrap.sh          # torch (if missing) + the package
-#   bash tools/bootstrap.sh --test   # ... + pytest
+#   bash tools/bootstrap.sh          # torch (if missing) + the package + scikit-learn, matplotlib
+#   bash tools/bootstrap.sh --test   # ... + pytest, triton (pinned, for the Triton backend's tests)
 #
 # An installed torch is kept as it is. Where none is present a CPU build of torch is installed:
 # first as the local wheel `torch==2.13.0+cpu` from pip's configured sources (wheelhouses),
@@ -22,8 +22,14 @@ else
 fi
 
 build_deps=(setuptools wheel ninja numpy)
+# The demo's data (load_digits ships inside the scikit-learn wheel) and its plot; the tests run the
+# demo too. Neither depends on torch, so pip never pulls another torch for them.
+build_deps+=(scikit-learn matplotlib)
 if [[ "${1:-}" == "--test" ]]; then
     build_deps+=(pytest)
+    # triton: the CUDA backend's kernels, tested on CPU (interpreter + PTX). An installed triton
+    # (e.g. the one a CUDA torch pins) is kept as it is.
+    "$PYTHON" -c "import triton" 2>/dev/null || build_deps+=("triton==${TRITON_VERSION:-3.6.0}")
 fi
 "$PYTHON" -m pip install -q "${build_deps[@]}"
 

@@ -36,6 +36,7 @@ anything back to the host, so a step is sync-free and can be captured in a CUDA 
 """
 from __future__ import annotations
 
+import operator
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -576,6 +577,7 @@ class AdamBucket:
         self._hyper = None
         # row layouts and the state lists' addresses
         self._strides = []  # each row's layout: its param's if dense, else contiguous
+        self._row_contiguous = []
         self._layouts = []
         self._staged: List[_Staged] = []
         numels = []
@@ -583,6 +585,8 @@ class AdamBucket:
             strides = tuple(p.stride()) if _dense(p) else _contiguous_strides(p.shape)
             self._strides.append(strides)
             self._layouts.append(_layout_of(p.shape, strides))
+            self._row_contiguous.append(self._layouts[-1] == _layout_of(
+                p.shape, _contiguous_strides(p.shape)))
             numels.append(p.numel())
         self._numels = np.asarray(numels, dtype=np.int64)
         self._live = self._numels > 0
@@ -637,7 +641,7 @@ class AdamBucket:
             self._grads = []
             return True
         objs = self._g_objs
-        if objs is not None and all(map(_is, grads, objs)):
+        if objs is not None and all(map(operator.is_, grads, objs)):
             try:
                 ptrs = list(map(torch.Tensor.data_ptr, grads))
             except TypeError:
@@ -655,23 +659,24 @@ class AdamBucket:
         if dtype not in self._grad_dtypes:
             return False
         device = self.device
-        for g in grads:
-            if (g is None or g.dtype != dtype or g.layout != torch.strided
-                    or g.device != device):
+        for g in grads:  # (not ``None in grads``: that compares tensors with ==)
+            if g is None or g.dtype != dtype or g.layout != torch.strided or g.device != device:
                 return False
         if list(map(torch.Tensor.size, grads)) != self._sizes:
             return False
         stage_rows = {}
-        eff = []
+        eff = list(grads)
+        contiguous = list(map(torch.Tensor.is_contiguous, grads))
         for i, g in enumerate(grads):
+            if contiguous[i] and self._row_contiguous[i]:
+                continue  # the common case
             if g.numel() and not self._fits(g, i):
                 st = self._g_stage_rows.get(i)
                 if st is None or st.copy.dtype != dtype:
                     st = _Staged(g, self._strides[i], written=False)
                 st.orig = g
                 stage_rows[i] = st
-                g = st.copy
-            eff.append(g)
+                eff[i] = st.copy
         self._g_stage_rows = stage_rows
         self._g_staged = list(stage_rows.values())
         base, col, aligned = self._column(eff)
@@ -765,10 +770,6 @@ class AdamBucket:
                 ALIGNED=self._state_aligned and self._g_aligned, BLOCK=BLOCK)
         for st in self._staged:
             st.orig.copy_(st.copy)
-
-
-def _is(a, b) -> bool:
-    return a is b
 
 
 def adam_family(op: str):

@@ -1,0 +1,590 @@
+"""The Triton backend's real kernels on CPU tensors, under ``TRITON_INTERPRET=1``.
+
+Triton fixes interpreter mode when ``@triton.jit`` runs, so the kernels run in ONE subprocess
+(this file run as a script, ``TRITON_INTERPRET=1``); each case below is then one test here that
+reads its result. Every case compares with the reference backend bit for bit (l2norm: to 1e-6,
+and bit for bit across chunk sizes), or with the IEEE oracle (``ieee_oracle.py``).
+
+What the interpreter cannot show (so ``test_triton_ptx.py`` checks the compiled PTX instead):
+it runs ``/``, ``tl.sqrt``, ``tl.div_rn`` and ``tl.sqrt_rn`` all as exact numpy operations and
+never contracts a multiply-add, so exactness on a GPU rests on the PTX. Interpreter gaps the
+kernels are written around (the same code runs on the GPU):
+
+* fp32 -> bf16 casts truncate: bf16 is rounded with integer operations (NaN -> 0x7FC0);
+* scalars loaded from memory are 1-element arrays, so ``range()`` over loaded bounds fails
+  with the numpy here (2.4: "only 0-dimensional arrays can be converted to Python scalars"): the
+  chunk loops are ``while`` loops;
+* ``tl.load(ptr, mask=None, other=0)`` is accepted by the interpreter but refused by the
+  compiler; ``tl.multiple_of`` inside a jit helper is silently dropped when compiled (so the
+  hints are written in the kernels' bodies and checked in the PTX);
+* a mask combining a block with a scalar flag is refused: the noop flag is folded into the
+  chunk's end (``end = start`` when set);
+* ``tl.multiple_of`` hints are no-ops (they matter only to the compiled kernel; the host sets
+  ``ALIGNED`` only when they hold);
+* Triton's unary minus is ``0 - x`` (+0 stays +0): negation flips the sign bit instead.
+
+Skips (with the reason) when triton is not installed. Runs in about a minute on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Callable, Dict
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import multi_tensor  # noqa: E402
+from multi_tensor import rules, schema  # noqa: E402
+from multi_tensor.backends import reference, registry  # noqa: E402
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+ADAM_OPS = ("fused_ema_adamw", "adam", "radam", "radam_ema")
+# name: (param dtype, grad dtype, fp32 masters)
+DTYPES = {
+    "fp32": (F32, F32, False),
+    "fp64": (F64, F64, False),
+    "bf16_master": (BF16, BF16, True),
+    "bf16_master_g32": (BF16, F32, True),
+    "fp16_master_g32": (F16, F32, True),
+    "bf16_plain": (BF16, BF16, False),
+    "fp16_plain": (F16, F16, False),
+    "fp32_gbf16": (F32, BF16, False),
+    "fp32_gfp16": (F32, F16, False),
+}
+# (0,) and (4, 0): empty rows; 3000: two whole 1024-blocks and a masked tail in a 2048 chunk
+SHAPES = ((1,), (15,), (0,), (4, 33), (2, 3, 5), (3000,), (4, 0), (1030,))
+SMALL = ((1,), (15,), (0,), (4, 9), (33,))
+SWITCHES = {
+    "decoupled_scale": dict(grad_scale=1536.0),
+    "l2": dict(decoupled=False),
+    "wd0": dict(weight_decay=0.0),
+    "maximize_l2": dict(maximize=True, decoupled=False),
+    "maximize_scale_decoupled": dict(maximize=True, grad_scale=512.0, lr=3e-3, beta1=0.5,
+                                     eps=1e-6),
+    "no_bias_correction": dict(bias_correction=False),
+    "no_bias_correction_l2": dict(bias_correction=False, decoupled=False),
+}
+STEPS = (1, 6)  # RAdam with beta2 = 0.999: un-rectified at step 1..5, rectified from 6
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (run in the subprocess)
+
+def _k():
+    from multi_tensor.backends import triton_gpu
+    k = triton_gpu.kernels()
+    assert k is not None, triton_gpu.load_error
+    return k
+
+
+def _hyper(op: str, **kw) -> rules.AdamHyper:
+    spec = schema.OPS[op]
+    args = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, decoupled=True,
+                bias_correction=True, maximize=False)
+    args.update({k: v for k, v in kw.items() if k != "grad_scale"})
+    return rules.AdamHyper(ema_decay=0.9 if spec.has_ema else None, rule=spec.rule, **args)
+
+
+def make_lists(op: str, dtype: str, shapes=SHAPES, seed: int = 0, grad_scale=None):
+    p_dt, g_dt, master = DTYPES[dtype]
+    s_dt = F32 if master else p_dt
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(shape):
+        return torch.randn(shape, generator=gen, dtype=F64)
+
+    w = [rnd(s) for s in shapes]
+    lists = [[(rnd(s) * (grad_scale or 1.0)).to(g_dt) for s in shapes],
+             [x.to(p_dt) for x in w],
+             [(rnd(s) * 0.1).to(s_dt) for s in shapes],
+             [(rnd(s).abs() * 0.01).to(s_dt) for s in shapes]]
+    if schema.OPS[op].has_ema:
+        lists.append([(x + 0.01 * rnd(x.shape)).to(s_dt) for x in w])
+    if master:
+        lists.append([x.to(F32) for x in w])
+    return lists
+
+
+def clone(lists):
+    return [[t.clone() for t in ts] for ts in lists]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().reshape(-1)
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def assert_lists_equal(got, want, what: str) -> None:
+    for li, (gs, ws) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(gs, ws)):
+            if not same_bits(g, w):
+                diff = int((bits(g) != bits(w)).sum()) if g.shape == w.shape else -1
+                raise AssertionError(f"{what}: list {li} tensor {i} {tuple(g.shape)} {g.dtype}: "
+                                     f"{diff} elements differ from the reference")
+
+
+def run_adam(op, lists, scalars, chunk, grad_scale=None, check_finite=False, noop=None):
+    noop = torch.zeros(1, dtype=torch.int32) if noop is None else noop
+    gs = None if grad_scale is None else torch.tensor([grad_scale])
+    _k().adam_family(op)(chunk, noop, lists, scalars, gs, check_finite)
+    return noop
+
+
+def ref_adam(lists, scalars, grad_scale=None, check_finite=False, noop=None):
+    noop = torch.zeros(1, dtype=torch.int32) if noop is None else noop
+    gs = None if grad_scale is None else torch.tensor([grad_scale])
+    reference.adam_family(2048, noop, lists, scalars, gs, check_finite)
+    return noop
+
+
+def compare_adam(op, dtype, switch="decoupled_scale", chunk=2048, shapes=SHAPES, steps=STEPS):
+    kw = SWITCHES[switch]
+    h = _hyper(op, **kw)
+    scale = kw.get("grad_scale")
+    lists = make_lists(op, dtype, shapes, grad_scale=scale)
+    got, want = clone(lists), clone(lists)
+    for step in steps:
+        c = rules.step_scalars(h, step)
+        run_adam(op, got, c, chunk, scale)
+        ref_adam(want, c, scale)
+        assert_lists_equal(got, want, f"{op} {dtype} {switch} step {step}")
+    changed = any(not same_bits(a, b) for a, b in zip(got[1], lists[1]) if a.numel())
+    assert changed, "the params did not change: nothing was tested"
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases
+
+CASES: Dict[str, Callable[[], None]] = {}
+
+
+def case(name: str):
+    def register(fn):
+        CASES[name] = fn
+        return fn
+    return register
+
+
+for _op in ADAM_OPS:
+    for _dt in DTYPES:
+        case(f"adam-{_op}-{_dt}")(lambda op=_op, dt=_dt: compare_adam(op, dt))
+    for _sw in SWITCHES:
+        if _sw.startswith("no_bias") and schema.OPS[_op].rule == rules.RADAM:
+            continue
+        for _dt in ("fp32", "bf16_master"):
+            case(f"switch-{_op}-{_sw}-{_dt}")(
+                lambda op=_op, sw=_sw, dt=_dt: compare_adam(op, dt, sw, chunk=64, shapes=SMALL))
+
+for _chunk in (1, 7, 1024, 65536):
+    case(f"chunk-{_chunk}")(lambda c=_chunk: compare_adam(
+        "fused_ema_adamw", "bf16_master", chunk=c,
+        shapes=((3,), (0,), (20,), (4, 5)) if c < 16 else SHAPES))
+
+
+@case("noop-set-changes-nothing")
+def _noop_set():
+    for op in ("fused_ema_adamw", "radam"):
+        lists = make_lists(op, "bf16_master", SMALL)
+        got = clone(lists)
+        run_adam(op, got, rules.step_scalars(_hyper(op), 3), 64,
+                 noop=torch.ones(1, dtype=torch.int32))
+        assert_lists_equal(got, lists, f"{op} with the noop flag set")
+
+
+@case("check-finite")
+def _check_finite():
+    for bad in (float("inf"), float("nan"), float("-inf")):
+        for dtype in ("fp32", "bf16_master", "fp16_plain"):
+            lists = make_lists("adam", dtype, SMALL)
+            lists[0][3].view(-1)[5] = bad
+            got = clone(lists)
+            flag = run_adam("adam", got, rules.step_scalars(_hyper("adam"), 2), 64, 1024.0,
+                            check_finite=True)
+            assert int(flag.item()) == 1, f"{dtype} {bad}: noop flag not set"
+            assert_lists_equal(got, lists, f"check_finite {dtype} {bad}")
+    lists = make_lists("adam", "fp32", SMALL)  # finite grads: the step runs and equals the ref
+    got, want = clone(lists), clone(lists)
+    c = rules.step_scalars(_hyper("adam"), 2)
+    assert int(run_adam("adam", got, c, 64, check_finite=True).item()) == 0
+    ref_adam(want, c, check_finite=True)
+    assert_lists_equal(got, want, "check_finite with finite grads")
+
+
+def _ieee_case(name: str, dtype: str):
+    from ieee_oracle import adam_update, as_numpy, bf16_round
+    from test_numerics import CASES as NUMERIC_CASES, sqrt_disagreeing_inputs
+
+    spec = NUMERIC_CASES[name]
+    op = schema.OPS[spec["op"]]
+    step = spec.get("step", 3)
+    c = rules.step_scalars(rules.AdamHyper(**spec["hyper"]), step)
+    n = 1000
+    math_t = F64 if dtype == "fp64" else F32
+    np_t = np.float64 if dtype == "fp64" else np.float32
+    gen = torch.Generator().manual_seed(1)
+    v = (sqrt_disagreeing_inputs(n, math_t).to(F64) / c.beta2).to(math_t)
+    g = torch.randn(n, generator=gen, dtype=F64) * 1e-3
+    g[: n // 2] = 0.0
+    w = torch.randn(n, generator=gen, dtype=F64)
+    m = torch.randn(n, generator=gen, dtype=F64) * 0.1
+    s = w + torch.randn(n, generator=gen, dtype=F64) * 0.01
+    master = dtype == "bf16_master"
+    lists = [[g.to(BF16 if master else math_t)], [w.to(BF16) if master else w.to(math_t)],
+             [m.to(math_t)], [v.clone()]]
+    if op.has_ema:
+        lists.append([s.to(math_t)])
+    if master:
+        lists.append([w.to(F32)])
+    weights = lists[-1][0] if master else lists[1][0]
+    expected = adam_update(c, as_numpy(lists[0][0], np_t), as_numpy(weights, np_t),
+                           as_numpy(lists[2][0], np_t), as_numpy(lists[3][0], np_t),
+                           as_numpy(lists[4][0], np_t) if op.has_ema else None, dtype=np_t)
+    run_adam(op.name, lists, c, 2048)
+    got = {"w": weights, "m": lists[2][0], "v": lists[3][0]}
+    if op.has_ema:
+        got["s"] = lists[4][0]
+    for key, arr in zip(("w", "m", "v", "s"), expected):
+        if key in got:
+            diff = int((got[key].numpy().view(arr.dtype) != arr).sum())
+            assert diff == 0, f"{name} {dtype}: {key} differs from the IEEE oracle in {diff} of {n}"
+    if master:
+        assert np.array_equal(lists[1][0].float().numpy().view(np.int32),
+                              bf16_round(expected[0]).view(np.int32))
+
+
+for _name in ("adamw", "adam_l2_maximize", "radam_ema"):
+    for _dt in ("fp32", "fp64", "bf16_master"):
+        case(f"ieee-oracle-{_name}-{_dt}")(lambda n=_name, d=_dt: _ieee_case(n, d))
+
+
+def _layout_case(kind: str):
+    """Dense permuted layouts run in place; other layouts run on staged dense copies."""
+    gen = torch.Generator().manual_seed(3)
+    views = []  # (base, view) of every sliced tensor, to check outside the views afterwards
+
+    def make(dt):
+        if kind == "channels_last":  # dense, permuted: in place (grads too)
+            return torch.randn(2, 3, 4, 5, generator=gen).to(dt).to(
+                memory_format=torch.channels_last)
+        if kind == "transposed":  # dense, permuted state; contiguous grads: grads staged
+            return torch.randn(7, 5, generator=gen).to(dt).t()
+        base = torch.randn(6, 21, generator=gen).to(dt)  # not dense: staged, view written back
+        views.append((base, base[:, 1::2]))
+        return views[-1][1]
+
+    lists = [[], [], [], [], [], []]
+    for row in range(3):
+        flat = row == 2
+        p = torch.randn(40, generator=gen).to(BF16) if flat else make(BF16)
+        g = torch.randn(p.shape, generator=gen).to(BF16)
+        if kind == "channels_last" and not flat:
+            g = g.to(memory_format=torch.channels_last)
+        state = [torch.randn(p.shape, generator=gen) if flat else make(F32) for _ in range(4)]
+        state[1].abs_()
+        state[3].copy_(p.float())  # the master
+        for li, t in enumerate([g, p] + state):
+            lists[li].append(t)
+    outside = [(b, b[:, ::2].clone()) for b, _ in views]
+    want = clone(lists)
+    c = rules.step_scalars(_hyper("fused_ema_adamw"), 2)
+    run_adam("fused_ema_adamw", lists, c, 16, 256.0)
+    ref_adam(want, c, 256.0)
+    assert_lists_equal(lists, want, f"layout {kind}")
+    for base, before in outside:
+        assert same_bits(base[:, ::2], before), "elements outside a sliced view changed"
+
+
+for _kind in ("channels_last", "transposed", "sliced"):
+    case(f"layout-{_kind}")(lambda k=_kind: _layout_case(k))
+
+
+@case("bucket-rebind-and-refuse")
+def _bucket_rebind():
+    k = _k()
+    op = "fused_ema_adamw"
+    lists = make_lists(op, "bf16_master", SHAPES)
+    want = clone(lists)
+    bucket = k.AdamBucket(op, lists[1:], 2048)
+    h = _hyper(op)
+    noop = torch.zeros(1, dtype=torch.int32)
+    for step in (1, 2, 3):
+        grads = [g.clone() for g in lists[0]]  # new tensors, new addresses every step
+        if step == 3:
+            grads = [g.float() for g in grads]  # the grads' dtype may change (fp32 now)
+        assert bucket.bind(grads)
+        assert bucket.bind(grads)  # the cheap path: same objects, same addresses
+        c = rules.step_scalars(h, step)
+        bucket.run(noop, c)
+        ref_adam([grads] + want[1:], c)
+    assert_lists_equal(lists[1:], want[1:], "prepared bucket across rebinds")
+    n = len(SHAPES)
+    assert not bucket.bind(lists[0][:-1]), "a shorter grad list bound"
+    assert not bucket.bind([g.to(F64) for g in lists[0]]), "fp64 grads bound to a bf16 bucket"
+    assert not bucket.bind([None] + lists[0][1:]), "a None grad bound"
+    bad = list(lists[0])
+    bad[1] = torch.zeros(16, dtype=BF16)
+    assert not bucket.bind(bad), "a grad of another shape bound"
+    assert len(bad) == n
+
+
+def _scalars_row(c: rules.StepScalars, dtype) -> torch.Tensor:
+    vals = [c.beta1, c.omb1, c.beta2, c.omb2, c.l2_wd, c.lr_wd, c.isb2, c.eps, c.step_size,
+            c.ema_w, float(c.l2), float(c.decoupled), float(c.use_denom), float(c.maximize)]
+    return torch.tensor(vals, dtype=F64).to(dtype)
+
+
+@case("device-step-scalars")
+def _device_scalars():
+    """The device's scalars equal rules.step_scalars rounded once, bit for bit, at every step."""
+    k = _k()
+    hypers = [_hyper("adam"), _hyper("adam", bias_correction=False),
+              _hyper("adam", decoupled=False, maximize=True), _hyper("adam", weight_decay=0.0),
+              _hyper("radam"), _hyper("radam", decoupled=False),
+              rules.AdamHyper(lr=0.3, beta1=0.5, beta2=0.98, eps=1e-6, weight_decay=0.1,
+                              rule=rules.RADAM, ema_decay=0.99)]
+    steps = list(range(1, 8)) + [12, 1000, 65537, 999_983, 16_000_000]
+    for dtype, p in ((F32, F32), (F64, F64)):
+        lists = make_lists("adam", "fp32" if dtype == F32 else "fp64", ((4,),))
+        bucket = k.AdamBucket("adam", lists[1:], 64)
+        for h in hypers:
+            for lr_tensor in ((False, True) if h.rule == rules.RADAM or h.lr == 0.01 else (False,)):
+                lr = torch.tensor(h.lr, dtype=F32) if lr_tensor else None
+                hh = h if lr is None else rules.AdamHyper(**{**h.__dict__, "lr": float(lr)})
+                for s in steps:
+                    step = torch.tensor(float(s - 1), dtype=F32)
+                    assert bucket.bind([g.clone() for g in lists[0]])
+                    bucket.run_device_step(step, hh, torch.zeros(1, dtype=torch.int32), None, lr)
+                    assert float(step) == float(s)
+                    want = _scalars_row(rules.step_scalars(hh, s), dtype)
+                    got = bucket._scal[:14]
+                    if not same_bits(got, want):
+                        bad = (bits(got) != bits(want)).nonzero().flatten().tolist()
+                        raise AssertionError(f"{h} lr_tensor={lr_tensor} step {s} {dtype}: "
+                                             f"scalar slots {bad} differ: {got} vs {want}")
+
+
+@case("device-step-results")
+def _device_results():
+    """run_device_step == run with the host's scalars; a set noop keeps the step and the data."""
+    k = _k()
+    for op, dtype in (("fused_ema_adamw", "bf16_master"), ("radam_ema", "fp32"),
+                      ("adam", "fp64")):
+        h = _hyper(op)
+        lists = make_lists(op, dtype, SMALL)
+        a, b = clone(lists), clone(lists)
+        ba = k.AdamBucket(op, a[1:], 64)
+        bb = k.AdamBucket(op, b[1:], 64)
+        step = torch.tensor(0.0)
+        zero = torch.zeros(1, dtype=torch.int32)
+        for s in range(1, 8):
+            assert ba.bind(a[0]) and bb.bind(b[0])
+            ba.run(zero, rules.step_scalars(h, s), torch.tensor([8.0]))
+            bb.run_device_step(step, h, zero, torch.tensor([8.0]))
+            assert_lists_equal(b, a, f"{op} {dtype} device step {s}")
+        before = clone(b)
+        assert bb.bind(b[0])
+        bb.run_device_step(step, h, torch.ones(1, dtype=F32))  # found_inf set: a skipped step
+        assert float(step) == 7.0, "the device step advanced on a skipped step"
+        assert_lists_equal(b, before, f"{op} {dtype} skipped device step")
+
+
+for _s in (F32, F16, BF16, F64):
+    for _d in (F32, F16, BF16, F64):
+        @case(f"scale-{str(_s)[6:]}-{str(_d)[6:]}")
+        def _scale(sdt=_s, ddt=_d):
+            from multi_tensor.backends import triton_gpu
+            gen = torch.Generator().manual_seed(5)
+            shapes = ((0,), (5,), (3000,), (4, 7))
+            srcs = [(torch.randn(s, generator=gen, dtype=F64) * 1e3).to(sdt) for s in shapes]
+            for factor in (1.0 / 3.0, 65504.5, 1e-30):
+                got = [torch.full(s, 7.0, dtype=ddt) for s in shapes]
+                want = [t.clone() for t in got]
+                fg, fw = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+                triton_gpu.scale(1024, fg, [srcs, got], factor)
+                reference.scale(1024, fw, [srcs, want], factor)
+                assert_lists_equal([got], [want], f"scale {sdt}->{ddt} by {factor}")
+                assert int(fg.item()) == int(fw.item()) == 0
+            bad = [t.clone() for t in srcs]
+            bad[2][17] = float("nan")
+            fg = torch.zeros(1, dtype=torch.int32)
+            out = [torch.zeros(s, dtype=ddt) for s in shapes]
+            triton_gpu.scale(1024, fg, [bad, out], 2.0)
+            assert int(fg.item()) == 1, "a NaN source did not set the noop flag"
+
+
+for _dt in (F32, F16, BF16, F64):
+    @case(f"l2norm-{str(_dt)[6:]}")
+    def _l2norm(dt=_dt):
+        from multi_tensor.backends import triton_gpu
+        gen = torch.Generator().manual_seed(6)
+        shapes = ((0,), (5,), (9000,), (4, 7), (1,))
+        ts = [torch.randn(s, generator=gen, dtype=F64).to(dt) for s in shapes]
+        outs = []
+        for chunk in (1, 64, 65536):
+            flag = torch.zeros(1, dtype=torch.int32)
+            outs.append(triton_gpu.l2norm(chunk, flag, [ts], True))
+            assert int(flag.item()) == 0
+        for total, per in outs[1:]:
+            assert same_bits(total, outs[0][0]) and same_bits(per, outs[0][1]), \
+                "l2norm depends on chunk_size"
+        rt, rp = reference.l2norm(64, torch.zeros(1, dtype=torch.int32), [ts], True)
+        total, per = outs[0]
+        assert total.dtype == F32 and total.shape == () and per.shape == (len(ts),)
+        torch.testing.assert_close(total, rt, rtol=1e-6, atol=0)
+        torch.testing.assert_close(per, rp, rtol=1e-6, atol=0)
+        total2, per2 = triton_gpu.l2norm(64, torch.zeros(1, dtype=torch.int32), [ts], False)
+        assert same_bits(total2, total) and per2.numel() == 0
+        bad = [t.clone() for t in ts]
+        bad[2][100] = float("inf")
+        flag = torch.zeros(1, dtype=torch.int32)
+        triton_gpu.l2norm(64, flag, [bad], False)
+        assert int(flag.item()) == 1, "an inf input did not set the noop flag"
+
+
+@case("l2norm-empty-and-mixed")
+def _l2norm_mixed():
+    from multi_tensor.backends import triton_gpu
+    total, per = triton_gpu.l2norm(64, torch.zeros(1, dtype=torch.int32), [[]], True)
+    assert float(total) == 0.0 and per.numel() == 0
+    ts = [torch.full((10,), 3.0), torch.full((10,), 4.0, dtype=BF16),
+          torch.randn(8, 6).t(), torch.randn(6, 8)[:, ::2]]
+    total, per = triton_gpu.l2norm(64, torch.zeros(1, dtype=torch.int32), [ts], True)
+    rt, rp = reference.l2norm(64, torch.zeros(1, dtype=torch.int32), [ts], True)
+    torch.testing.assert_close(total, rt, rtol=1e-6, atol=0)
+    torch.testing.assert_close(per, rp, rtol=1e-6, atol=0)
+
+
+def _cpu_clone_backend():
+    """The triton backend, registered for CPU tensors (interpreter) under another name."""
+    from multi_tensor.backends import triton_gpu
+    return registry.register_backend(registry.Backend(
+        name="triton_interp", device_types=("cpu",), priority=1000, ops=triton_gpu.OPS,
+        prepare=triton_gpu.prepare, description="the triton backend on CPU tensors (interpreter)"))
+
+
+def _optimizer_case(cls_name: str, dtype: str, scheduled: bool = False):
+    """A fused optimizer on the triton buckets (device steps) == on the reference, bitwise."""
+    import fused_optim
+    _cpu_clone_backend()
+    p_dt = {"fp32": F32, "bf16": BF16, "fp16": F16, "fp64": F64}[dtype]
+
+    def build():
+        gen = torch.Generator().manual_seed(11)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(p_dt))
+                  for s in ((5, 7), (13,), (1,), (2000,))]
+        cls = getattr(fused_optim, cls_name)
+        kw = dict(lr=1e-2, weight_decay=0.05)
+        if cls_name == "FusedEmaAdamW":
+            kw.update(ema_decay=0.9)
+            if scheduled:
+                kw.update(ema_schedule="warmup")
+        opt = cls(params, **kw)
+        return params, opt
+
+    results = []
+    for backend in ("triton_interp", "reference"):
+        with multi_tensor.backends.forced_backend(backend):
+            params, opt = build()
+            gen = torch.Generator().manual_seed(12)
+            for step in range(4):
+                for p in params:
+                    p.grad = (torch.randn(p.shape, generator=gen) * 64.0).to(p_dt)
+                opt.grad_scale = torch.tensor(64.0)  # 0-dim, as GradScaler sets them
+                opt.found_inf = torch.tensor(1.0 if step == 2 else 0.0)  # step 3 is skipped
+                opt.step()
+            kinds = {type(b.prepared).__name__ for plan in opt._plans.values()
+                     for b in plan.buckets}
+            results.append((params, opt, kinds))
+    (pa, oa, ka), (pb, ob, kb) = results
+    assert ka == {"AdamBucket"}, f"the optimizer did not use the triton buckets: {ka}"
+    for x, y in zip(pa, pb):
+        assert same_bits(x.detach(), y.detach()), f"{cls_name} {dtype}: params differ"
+        sa, sb = oa.state[x], ob.state[y]
+        assert set(sa) == set(sb)
+        for key in sa:
+            assert same_bits(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), \
+                f"{cls_name} {dtype}: state {key} differs"
+        assert float(sa["step"]) == 3.0, "a skipped step advanced the step"
+
+
+for _cls in ("FusedEmaAdamW", "FusedAdamW", "FusedRAdam"):
+    for _dt in ("fp32", "bf16"):
+        case(f"optimizer-{_cls}-{_dt}")(lambda c=_cls, d=_dt: _optimizer_case(c, d))
+case("optimizer-FusedEmaAdamW-warmup-schedule-host-steps")(
+    lambda: _optimizer_case("FusedEmaAdamW", "fp32", scheduled=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# the subprocess
+
+def main(out_path: str) -> None:
+    import time
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    results = {}
+    t0 = time.time()
+    for name, fn in CASES.items():
+        t = time.time()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - every failure is reported by its own test
+            results[name] = "FAIL\n" + traceback.format_exc()
+        else:
+            results[name] = "ok"
+        results[name + ":seconds"] = round(time.time() - t, 3)
+    results[":total_seconds"] = round(time.time() - t0, 1)
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tests (parent process)
+
+def _triton_missing():
+    import importlib.util
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed; install it with tools/bootstrap.sh --test"
+    return None
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(tmp_path_factory):
+    missing = _triton_missing()
+    if missing:
+        pytest.skip(missing)
+    out = tmp_path_factory.mktemp("triton_interp") / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"the interpreter subprocess failed (rc {proc.returncode}):\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_under_interpreter(interpreter_results, name):
+    result = interpreter_results.get(name)
+    assert result is not None, f"case {name} did not run"
+    assert result == "ok", result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
