@@ -111,21 +111,6 @@ class _GroupPlan:
         return all(b.bind(grads) for b in self.buckets)
 
 
-_SIMPLE = (int, float, bool, str, type(None))
-
-
-def _same_option(a, b) -> bool:
-    """Whether a group option is unchanged: plain values by value, the rest by identity, and
-    tensors never (they can change in place)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same_option(x, y) for x, y in zip(a, b))
-    if type(a) in _SIMPLE and type(b) is type(a):
-        return a == b
-    return a is b
-
-
 def _present(grads) -> tuple:
     return tuple(i for i, g in enumerate(grads) if g is not None)
 
@@ -148,7 +133,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: max_grad_norm must be > 0, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Optional[torch.Tensor] = None
-        self._checked_groups: Dict[int, list] = {}
+        self._checked_groups: Dict[int, Optional[tuple]] = {}
         self._chunk_size = chunk_size
         if not fused_unscale:
             # GradScaler then unscales the grads itself before step() (what frameworks that clip
@@ -306,19 +291,23 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             backend = registry.backend_for(
                 "l2norm", bucket.device,
                 tensor_subclasses=validation.storageless([bucket.grads], ("grads",)) is not None)
-            total, _ = backend.ops["l2norm"](self._chunk_size, self._noop_flag(bucket.device),
-                                             [bucket.grads], False)
+            # a flag of its own: l2norm sets it on a non-finite grad, and the step's noop flag
+            # must stay clear
+            flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
+            total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
             squares.append(total.to(device=work[0][0].device, dtype=torch.float64).square())
         return torch.stack(squares).sum().sqrt()
 
     def _ensure_checked(self, group: Dict[str, Any]) -> None:
-        """Check a group's options when they differ from the last checked values."""
-        values = [(k, v) for k, v in group.items() if k != "params"]
-        checked = self._checked_groups.get(id(group))
-        if checked is None or len(checked) != len(values) or not all(
-                ka == kb and _same_option(a, b) for (ka, a), (kb, b) in zip(values, checked)):
+        """Check a group's options unless none was replaced since the last check (a scheduler
+        assigns a new lr object; tensor options can change in place, so they are always checked)."""
+        key = tuple(map(id, group.values()))
+        if self._checked_groups.get(id(group)) != key:
             self._check_group(group)
-            self._checked_groups[id(group)] = values
+            mutable = any(isinstance(v, (torch.Tensor, list)) or (
+                isinstance(v, tuple) and any(isinstance(x, torch.Tensor) for x in v))
+                for k, v in group.items() if k != "params")
+            self._checked_groups[id(group)] = None if mutable else key
 
     # --- plans --------------------------------------------------------------------------------
     def _plan(self, group: Dict[str, Any], grads: List[Optional[torch.Tensor]]) -> _GroupPlan:
@@ -383,13 +372,12 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             buckets.append(bucket)
         return buckets
 
-    _noop_flags: Dict[torch.device, torch.Tensor] = {}
-
     def _noop_flag(self, device: torch.device) -> torch.Tensor:
-        flag = FusedOptimizerBase._noop_flags.get(device)
+        """A zero flag per device (the optimizer never asks a kernel to set it)."""
+        flags = self.__dict__.setdefault("_noop_flags", {})
+        flag = flags.get(device)
         if flag is None:
-            flag = torch.zeros(1, dtype=torch.int32, device=device)
-            FusedOptimizerBase._noop_flags[device] = flag
+            flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return flag
 
     # --- state dict ---------------------------------------------------------------------------
