@@ -630,3 +630,25 @@ def test_missing_extension_warns_once_and_the_optimizer_runs_on_the_reference():
     assert name == "reference"
     assert abs(float(value) - 0.8) < 1e-5  # two Adam steps of lr 0.1 on a constant grad
     assert r.stderr.count("the native CPU extension did not load") == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_split_of_a_large_bucket_changes_no_bit(backend):
+    """Above the inline threshold the native launcher gives threads equal element shares and
+    cuts chunks where they fall: any split, chunk size or thread count gives the same bits."""
+    b = backend_obj(backend, "fused_ema_adamw")
+    op, dc = C.OPS["fused_ema_adamw"], C.DTYPES["fp32"]
+    shapes = ((300_001,), (7,), (65_537,), (1,), (120_000,))
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n_threads, chunk in ((1, 65536), (2, 65536), (2, 1000), (2, 1 << 22)):
+            torch.set_num_threads(n_threads)
+            lists = C.make_lists(op, dc, shapes=shapes, seed=3)
+            run_on(backend, op, lists, op.hyper_cases[0], 4, chunk_size=chunk)
+            outs.append(lists)
+    finally:
+        torch.set_num_threads(threads)
+    for other in outs[1:]:
+        assert_lists_bitwise(outs[0], other, [str(i) for i in range(len(other))],
+                             f"{backend} split")

@@ -3,8 +3,10 @@
 A tiny S + W2 run at thread counts 1 and 2 in a subprocess; the checks are on structure and on
 the arithmetic that ties the figures together (effective GB/s, % of ceiling, ratios), never on
 a speed. A second tiny run hides DeepSpeed behind a module that fails to import and checks the
-peer is skipped with a reason rather than failing the run.
+peer is skipped with a reason rather than failing the run. With matplotlib, ``--plot`` writes a
+PNG (and tools/benchlib/plot.py replots the saved JSON); without it, the plot says why not.
 """
+import importlib.util
 import json
 import math
 import os
@@ -132,3 +134,34 @@ def test_bench_shapes_and_targets_are_data():
     assert w1 == {("pct_ceiling", "ours"): 85.0, ("ratio", "fused_ema"): 1.05}
     scored = targets.Target("X", "ratio", ">=", 2.0, peer="p").score(1.5)
     assert scored["met"] is False and scored["target"] == ">= 2"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed (--plot is optional)")
+def test_bench_plot_writes_png(tmp_path):
+    png, replot = tmp_path / "bench.png", tmp_path / "replot.png"
+    stdout, data = run_bench(tmp_path, "--workloads", "S,S3", "--threads-list", "1",
+                             "--no-memory", "--no-incache", "--peers", "fused_ema,mp_fused_ema",
+                             "--plot", str(png))
+    assert f"wrote {png}" in stdout and list(data["workloads"]) == ["S", "S3"]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same picture from the saved JSON, without running the bench again
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, "benchlib", "plot.py"),
+                           str(tmp_path / "bench.json"), str(replot)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert replot.stat().st_size > 10_000
+
+
+def test_bench_plot_without_matplotlib_says_why(tmp_path):
+    fake = tmp_path / "fake" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('matplotlib hidden by the smoke test')\n")
+    doc = tmp_path / "bench.json"
+    doc.write_text(json.dumps({"workloads": {"S": {}}}))
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, "benchlib", "plot.py"), str(doc),
+                           str(tmp_path / "never.png")], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path / "fake")), timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "matplotlib is not installed" in proc.stdout
+    assert not (tmp_path / "never.png").exists()

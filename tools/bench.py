@@ -23,7 +23,7 @@ The parts live in tools/benchlib/: workloads, peers, measure, memory, machine, r
 Usage
   python tools/bench.py                                  # everything, about 5 min on 2 cores
   python tools/bench.py --workloads S,W2 --rounds 5      # a quick look
-  python tools/bench.py --workloads W1 --threads-list 2 --json bench.json
+  python tools/bench.py --workloads W1 --threads-list 2 --json bench.json --plot bench.png
   python tools/bench.py --quick --workloads S,W2 --w2-tensors 100 --json /tmp/b.json   # smoke
 """
 from __future__ import annotations
@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "%(ceiling_reps)d ceiling reps, bursts of %(burst)d, "
                              "%(incache_steps)d in-cache steps" % config.QUICK)
     parser.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="write a PNG of step times and %% of the ceiling (needs matplotlib)")
     return parser
 
 
@@ -236,6 +238,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "w2_tensors": args.w2_tensors, "workloads": workloads,
                     "argv": sys.argv[1:] if argv is None else list(argv)}
         report.write_json(args.json, report.payload(info, settings, results, incache, skipped, total))
+    if args.plot:
+        report.write_plot(args.plot, results, info)
     return 0
 
 

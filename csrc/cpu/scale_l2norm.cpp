@@ -240,9 +240,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> l2norm_op(int64_t chunk_size,
   std::atomic<bool> bad{false};
   {
     py::gil_scoped_release nogil;
-    const Chunk* base = blocks.data();
-    launch(blocks, total, [&](const Chunk& b) {
-      const int64_t idx = &b - base;
+    launch_indexed(blocks, total, [&](int64_t idx) {
+      const Chunk& b = blocks[idx];
       const int64_t len = b.end - b.start;
       bool nf = false;
       double s;

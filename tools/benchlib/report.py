@@ -158,3 +158,10 @@ def write_json(path: str, doc: Dict[str, object]) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}")
+
+
+def write_plot(path: str, workloads: Dict[str, Dict[str, object]], info: Dict[str, object]) -> None:
+    """``--plot PATH``: step time and % of the ceiling per workload and peer (benchlib.plot)."""
+    from .plot import write_plot as plot
+    why_not = plot(path, workloads, info)
+    print(f"plot: {why_not}" if why_not else f"wrote {path}")
