@@ -22,36 +22,38 @@ Buffer EMA
 
 * floating-point buffers (``running_mean``, ``running_var``): an EMA, kept in fp32 (fp64 for fp64
   buffers) on the buffer's device, starting as the buffer's value at registration. After every
-  ``step()`` that made an EMA update it is updated with the decay ``d`` of that step's param EMA:
-  ``torch._foreach_lerp_(ema, buffer, 1 - d)``, i.e. torch's lerp, ``s + (1 - d) * (b - s)``
-  (``b - (b - s) * d`` where ``1 - d >= 0.5``), the same unbiased form as the kernel's param
-  update but computed by torch (which may fuse the multiply-add, so it is not bit-identical to a
-  kernel update of the same values). ``d`` is the decay of the lowest-indexed param group that
-  made an EMA update in that step (``min`` over ``last_ema_decays``' group indices) and, if its
-  params were at different steps, the decay of its most advanced ones (largest step). With one
-  param group and every param stepping together, that is simply the decay of the step;
+  ``step()`` that made an EMA update it is moved with the decay ``d`` of that step's param EMA by
+  ``torch._foreach_lerp_(emas, buffers, w)``, ``w = 1 - d``: torch's lerp, ``s + w * (b - s)``
+  (``b - (b - s) * (1 - w)`` where ``w >= 0.5``; ``d = 0.0``, e.g. up to ``ema_start_step``,
+  gives exactly ``b``), in the EMA's dtype. That is the unbiased form of the kernel's param update,
+  computed by torch's kernels, so not necessarily bit-identical to the fused kernel on the same
+  values. ``d`` is the decay of the lowest-indexed param group that made an EMA update in that
+  step (the smallest group index in ``last_ema_decays``) and, if that group's params were at
+  different steps, the decay of its most advanced ones (the largest step). With one param group
+  whose params step together, that is simply the step's decay;
 * other buffers (``num_batches_tracked``): a copy, taken after every such step.
 
-A ``step()`` that makes no EMA update leaves the buffer EMA alone: no grads, or a step that
-``torch.amp.GradScaler`` skips (``found_inf``; read on the device, without a host sync, when
-``found_inf`` is not on the CPU). The update runs in a step post-hook
-(``torch.optim.Optimizer.register_step_post_hook``), after any post-hooks registered before it.
+A ``step()`` that makes no EMA update leaves the buffer EMA alone: one without grads, one that
+``torch.amp.GradScaler`` skips (``found_inf``; decided on the device, without a host sync, when
+``found_inf`` is not on the CPU), or one skipped for a non-finite grad norm (``max_grad_norm``). The update runs in a step post-hook
+(``torch.optim.Optimizer.register_step_post_hook``), after the post-hooks registered before it.
 
-``swap_ema_weights()``, ``copy_ema_to(None | module)``, ``store()`` / ``restore()`` of
-``None`` / a module and ``ema_state_dict(module)`` then include the buffers (matched by name;
-integer buffers get the copy), unless called with ``ema_buffers=False``.
+``swap_ema_weights()``, ``copy_ema_to(None | module)`` and ``ema_state_dict(module)`` then include
+the buffers (matched by name; non-floating buffers get the copy) unless given
+``ema_buffers=False``; ``store()`` / ``restore()`` of ``None`` or a module save and restore the
+buffers that ``copy_ema_to`` of the same argument writes.
 
 The buffer EMA is saved by ``state_dict()`` under the top-level key ``"ema_buffers"``
 (``{buffer name: tensor}``), next to ``"state"`` and ``"param_groups"``, and restored bit for bit
-by ``load_state_dict()``. Not in ``"state"``: torch's convention (and tools built on it, such as
-``torch.distributed.checkpoint`` and FSDP's optimizer state-dict helpers) is that ``"state"`` is
-keyed by param index. Not in ``defaults``: ``state_dict()`` does not save them and
-``add_param_group`` copies them into every new group. ``torch.optim`` optimizers ignore the extra
-top-level key when they load the state dict. Loading a state dict without the key (torch's, or
-saved before ``register_ema_buffers``) restarts the buffer EMA from the module's current buffers.
-A buffer EMA loaded before ``register_ema_buffers(model)`` is kept by it (names and shapes must
-match). The registered module is not part of the state dict; it is kept (by reference) when the
-optimizer itself is pickled or deep-copied.
+by ``load_state_dict()``. Not in ``"state"``: torch's convention is that ``"state"`` is keyed by
+param index, and tools built on it (``torch.distributed.checkpoint``, FSDP's optimizer state-dict
+helpers) map those keys to params. Not in ``defaults``: ``state_dict()`` does not save them, and
+``add_param_group`` copies every default into each new group. ``torch.optim`` optimizers ignore
+the extra top-level key when they load the dict. Loading a state dict without the key (torch's,
+or one saved before ``register_ema_buffers``) restarts the buffer EMA from the registered module's
+current buffers. A buffer EMA loaded before ``register_ema_buffers(model)`` is kept by it (names
+and shapes must match). The registered module itself is not in the state dict; pickling or
+deep-copying the optimizer takes it along (a deep copy updates the copied module).
 """
 from __future__ import annotations
 
@@ -235,6 +237,12 @@ class EmaAccessMixin:
                     return
             else:  # decided on the device, without a host sync
                 skip = (found_inf != 0).any()
+        if getattr(self, "max_grad_norm", None) is not None:
+            # a non-finite grad norm skips the step after its decays were taken; the step has
+            # read the norm on the host already, so reading it again costs no extra wait
+            norm = getattr(self, "last_grad_norm", None)
+            if isinstance(norm, torch.Tensor) and not bool(torch.isfinite(norm).all()):
+                return
         self._lerp_ema_buffers(decay, skip)
 
     @torch.no_grad()

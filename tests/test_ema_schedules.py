@@ -27,8 +27,20 @@ def hand_mindspeed(t, decay, start=0):
     return min(decay, (1 + num_updates) / (10 + num_updates))
 
 
-def hand_diffusers(optimization_step, decay, update_after_step=0, inv_gamma=1.0, power=2 / 3,
-                   min_decay=0.0):
+def hand_diffusers(optimization_step, decay, update_after_step=0, min_decay=0.0):
+    # diffusers EMAModel.get_decay with its default use_ema_warmup=False (optimization_step
+    # incremented before)
+    step = max(0, optimization_step - update_after_step - 1)
+    if step <= 0:
+        return 0.0
+    cur_decay_value = (1 + step) / (10 + step)
+    cur_decay_value = min(cur_decay_value, decay)
+    cur_decay_value = max(cur_decay_value, min_decay)
+    return cur_decay_value
+
+
+def hand_diffusers_warmup(optimization_step, decay, update_after_step=0, inv_gamma=1.0, power=2 / 3,
+                          min_decay=0.0):
     # diffusers EMAModel.get_decay with use_ema_warmup=True (optimization_step incremented before)
     step = max(0, optimization_step - update_after_step - 1)
     if step <= 0:
@@ -52,9 +64,14 @@ CASES = {
     "warmup_start": (dict(ema_schedule="WarmUp".lower(), ema_start_step=5),
                      lambda t: hand_mindspeed(t, 0.97, 5)),
     "diffusers": (dict(ema_schedule="diffusers"), lambda t: hand_diffusers(t, 0.97)),
-    "diffusers_opts": (dict(ema_schedule="diffusers", ema_start_step=4, ema_inv_gamma=2.0,
-                            ema_power=0.75, ema_min_decay=0.5),
-                       lambda t: hand_diffusers(t, 0.97, 4, 2.0, 0.75, 0.5)),
+    "diffusers_opts": (dict(ema_schedule="Diffusers", ema_start_step=4, ema_min_decay=0.5,
+                            ema_inv_gamma=2.0, ema_power=0.75),   # the last two are ignored
+                       lambda t: hand_diffusers(t, 0.97, 4, 0.5)),
+    "diffusers_warmup": (dict(ema_schedule="diffusers_warmup"),
+                         lambda t: hand_diffusers_warmup(t, 0.97)),
+    "diffusers_warmup_opts": (dict(ema_schedule="diffusers_warmup", ema_start_step=4,
+                                   ema_inv_gamma=2.0, ema_power=0.75, ema_min_decay=0.5),
+                              lambda t: hand_diffusers_warmup(t, 0.97, 4, 2.0, 0.75, 0.5)),
     "callable": (dict(ema_schedule=user_schedule), lambda t: user_schedule(t)),
     "callable_start": (dict(ema_schedule=user_schedule, ema_start_step=3),
                        lambda t: 0.0 if t <= 3 else user_schedule(t - 3)),
@@ -86,26 +103,59 @@ def test_schedule_function_matches_hand_formula_exactly(name):
 @pytest.mark.parametrize("inv_gamma,power,min_decay,decay", [(1.0, 2 / 3, 0.0, 0.9999),
                                                               (1.0, 0.75, 0.0, 0.999),
                                                               (3.0, 1.0, 0.2, 0.9)])
-def test_diffusers_counter_convention(update_after_step, inv_gamma, power, min_decay, decay):
+def test_diffusers_warmup_counter_convention(update_after_step, inv_gamma, power, min_decay, decay):
     for t in range(1, 3000, 7):
-        expected = hand_diffusers(t, decay, update_after_step, inv_gamma, power, min_decay)
-        got = ema_schedules.ema_decay_at(t, decay, "diffusers", update_after_step, inv_gamma,
-                                         power, min_decay)
+        expected = hand_diffusers_warmup(t, decay, update_after_step, inv_gamma, power, min_decay)
+        got = ema_schedules.ema_decay_at(t, decay, "diffusers_warmup", update_after_step,
+                                         inv_gamma, power, min_decay)
         assert got == expected
     # diffusers' first update after update_after_step still has decay 0.0 (not min_decay) ...
-    assert ema_schedules.ema_decay_at(update_after_step + 1, decay, "diffusers",
+    assert ema_schedules.ema_decay_at(update_after_step + 1, decay, "diffusers_warmup",
                                       update_after_step, inv_gamma, power, min_decay) == 0.0
     # ... and the warm-up begins at k = 1 on the next one
-    assert ema_schedules.ema_decay_at(update_after_step + 2, decay, "diffusers",
+    assert ema_schedules.ema_decay_at(update_after_step + 2, decay, "diffusers_warmup",
                                       update_after_step, inv_gamma, power, min_decay) == \
         max(min(1 - (1 + 1 / inv_gamma) ** -power, decay), min_decay)
+
+
+@pytest.mark.parametrize("update_after_step", [0, 1, 10])
+@pytest.mark.parametrize("min_decay,decay", [(0.0, 0.9999), (0.0, 0.95), (0.2, 0.9), (0.5, 0.5)])
+def test_diffusers_default_counter_convention(update_after_step, min_decay, decay):
+    # inv_gamma / power do not matter without the warm-up
+    for inv_gamma, power in ((1.0, 2 / 3), (3.0, 1.0)):
+        for t in list(range(1, 200)) + list(range(200, 3000, 7)):
+            expected = hand_diffusers(t, decay, update_after_step, min_decay)
+            got = ema_schedules.ema_decay_at(t, decay, "diffusers", update_after_step, inv_gamma,
+                                             power, min_decay)
+            assert got == expected, (t, got, expected)
+    # 0.0 up to and including update_after_step + 1 (not raised to min_decay) ...
+    for t in range(1, update_after_step + 2):
+        assert ema_schedules.ema_decay_at(t, decay, "diffusers", update_after_step,
+                                          ema_min_decay=min_decay) == 0.0
+    # ... then (1 + k) / (10 + k) from k = 1, clamped to [min_decay, decay]
+    assert ema_schedules.ema_decay_at(update_after_step + 2, decay, "diffusers", update_after_step,
+                                      ema_min_decay=min_decay) == max(min(2 / 11, decay), min_decay)
+    # the default is MindSpeed's (1 + n) / (10 + n) one update later
+    for t in range(update_after_step + 2, update_after_step + 400):
+        assert ema_schedules.ema_decay_at(t, decay, "diffusers", update_after_step,
+                                          ema_min_decay=min_decay) == \
+            max(ema_schedules.ema_decay_at(t - 1, decay, "warmup", update_after_step), min_decay)
 
 
 def test_known_values():
     assert ema_schedules.ema_decay_at(1, 0.9999, "warmup") == 2 / 11
     assert ema_schedules.ema_decay_at(10 ** 6, 0.9999, "warmup") == 0.9999
     # crowsonkb's note in diffusers: gamma=1, power=2/3 reaches 0.999 at ~31.6K steps
-    assert ema_schedules.ema_decay_at(31624, 0.9999, "diffusers") == pytest.approx(0.999, abs=2e-6)
+    assert ema_schedules.ema_decay_at(31624, 0.9999, "diffusers_warmup") == \
+        pytest.approx(0.999, abs=2e-6)
+    # diffusers' default: 0.0 on its first update, then (1 + k) / (10 + k) from k = 1
+    assert ema_schedules.ema_decay_at(1, 0.9999, "diffusers") == 0.0
+    assert ema_schedules.ema_decay_at(2, 0.9999, "diffusers") == 2 / 11
+    assert ema_schedules.ema_decay_at(3, 0.9999, "diffusers") == 3 / 12
+    assert ema_schedules.ema_decay_at(8992, 0.9999, "diffusers") == 8992 / 9001
+    assert ema_schedules.ema_decay_at(89992, 0.9999, "diffusers") == 0.9999   # capped, k = 89991
+    assert ema_schedules.ema_decay_at(89990, 0.9999, "diffusers") == 89990 / 89999  # k = 89989
+    assert ema_schedules.ema_decay_at(3, 0.9, "diffusers", ema_min_decay=0.5) == 0.5
     assert ema_schedules.ema_decay_at(5, 0.9, None, 5) == 0.0
     assert ema_schedules.ema_decay_at(6, 0.9, None, 5) == 0.9
 
@@ -175,9 +225,11 @@ def test_per_param_counter_with_skipped_params():
     assert opt.last_ema_decays == {(0, 5): hand_mindspeed(5, 0.999), (0, 3): hand_mindspeed(3, 0.999)}
 
 
-def test_overflow_step_does_not_advance_the_schedule():
+@pytest.mark.parametrize("schedule,hand", [("diffusers", hand_diffusers),
+                                           ("diffusers_warmup", hand_diffusers_warmup)])
+def test_overflow_step_does_not_advance_the_schedule(schedule, hand):
     params = make_params()
-    opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.999, ema_schedule="diffusers")
+    opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.999, ema_schedule=schedule)
     for t in range(1, 4):
         set_grads(params, t)
         opt.step()
@@ -192,7 +244,7 @@ def test_overflow_step_does_not_advance_the_schedule():
         for key, value in st.items():
             assert torch.equal(after["state"][pid][key], value), key
     opt.step()
-    assert opt.last_ema_decays == {(0, 4): hand_diffusers(4, 0.999)}
+    assert opt.last_ema_decays == {(0, 4): hand(4, 0.999)}
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -207,6 +259,9 @@ def test_overflow_step_does_not_advance_the_schedule():
     (dict(ema_power=float("nan")), "ema_power"),
     (dict(ema_min_decay=1.0), "ema_min_decay must be a number in \\[0, 1\\)"),
     (dict(ema_schedule="diffusers", ema_min_decay=0.995), "ema_min_decay=0.995 is above ema_decay=0.99"),
+    (dict(ema_schedule="diffusers_warmup", ema_min_decay=0.995),
+     "ema_min_decay=0.995 is above ema_decay=0.99; the 'diffusers_warmup' schedule"),
+    (dict(ema_schedule="diffusers_warmpu"), "unknown ema_schedule 'diffusers_warmpu'"),
 ])
 def test_invalid_options_raise(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -271,7 +326,8 @@ def test_set_ema_schedule_and_param_group_options():
 # --- state dicts --------------------------------------------------------------------------------
 @pytest.mark.parametrize("options", [
     dict(ema_schedule="warmup"),
-    dict(ema_schedule="diffusers", ema_start_step=3, ema_power=0.75, ema_min_decay=0.1),
+    dict(ema_schedule="diffusers", ema_start_step=3, ema_min_decay=0.1),
+    dict(ema_schedule="diffusers_warmup", ema_start_step=3, ema_power=0.75, ema_min_decay=0.1),
     dict(ema_schedule="constant", ema_start_step=12),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -346,7 +402,9 @@ def test_callable_schedule_survives_state_dict_in_memory():
 
 
 # --- FusedRAdam(ema_decay=...) gets the same schedules through the mixin -------------------------
-def test_fused_radam_ema_schedule():
+@pytest.mark.parametrize("schedule,hand", [("diffusers", hand_diffusers),
+                                           ("diffusers_warmup", hand_diffusers_warmup)])
+def test_fused_radam_ema_schedule(schedule, hand):
     import fused_optim
 
     FusedRAdam = getattr(fused_optim, "FusedRAdam", None)
@@ -354,7 +412,7 @@ def test_fused_radam_ema_schedule():
         pytest.skip("fused_optim.FusedRAdam does not exist in this checkout")
     params = make_params()
     opt = FusedRAdam(params, lr=1e-2, ema_decay=0.99)
-    opt.set_ema_schedule("diffusers", ema_start_step=2)
+    opt.set_ema_schedule(schedule, ema_start_step=2)
     weights = [[p.detach().double().clone()] for p in params]
     decays = []
     for t in range(1, 25):
@@ -363,7 +421,7 @@ def test_fused_radam_ema_schedule():
         decays.append(opt.last_ema_decays[(0, t)])
         for w, p in zip(weights, params):
             w.append(p.detach().double().clone())
-    expected = [hand_diffusers(t, 0.99, 2) for t in range(1, 25)]
+    expected = [hand(t, 0.99, 2) for t in range(1, 25)]
     assert decays == expected
     for p, w in zip(params, weights):
         s = w[0].clone()
