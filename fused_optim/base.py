@@ -227,30 +227,38 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item() != 0):
             return loss  # before planning: a skipped first step creates no state either
-        work = [(bucket, hyper) for group in self.param_groups
-                for bucket, hyper in self._group_work(group)]
+        work = [(group, bucket) for group in self.param_groups
+                for bucket in self._bound_buckets(group)]
         skip, skip_flag = self._overflow(found_inf, work)
         if not skip:
             skip, grad_scale = self._unscale_factor(work)
         if skip:
-            for bucket, _ in work:
+            for _, bucket in work:
                 bucket.grads = None
             return loss
-        for bucket, hyper in work:
+        hypers = self._hypers(work)
+        for (group, bucket), hyper in zip(work, hypers):
             bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale)
         return loss
 
-    def _group_work(self, group: Dict[str, Any]) -> List[tuple]:
-        """``[(bucket, hyperparameters)]`` of a group: planned, checked and bound."""
+    def _bound_buckets(self, group: Dict[str, Any]) -> List[_Bucket]:
+        """A group's buckets for this step: planned, options checked, grads bound."""
         plan = self._plan(group, [p.grad for p in group["params"]])
-        if not plan.buckets:
-            return []
-        self._ensure_checked(group)
-        hypers: Dict[int, rules.AdamHyper] = {}
-        for bucket in plan.buckets:
-            if bucket.step + 1 not in hypers:
-                hypers[bucket.step + 1] = self._hyper(group, bucket.step + 1)
-        return [(bucket, hypers[bucket.step + 1]) for bucket in plan.buckets]
+        if plan.buckets:
+            self._ensure_checked(group)
+        return plan.buckets
+
+    def _hypers(self, work) -> List[rules.AdamHyper]:
+        """Every bucket's hyperparameters, once per (group, step), before any bucket runs (an
+        EMA schedule that raises changes nothing)."""
+        memo: Dict[tuple, rules.AdamHyper] = {}
+        out = []
+        for group, bucket in work:
+            key = (id(group), bucket.step + 1)
+            if key not in memo:
+                memo[key] = self._hyper(group, bucket.step + 1)
+            out.append(memo[key])
+        return out
 
     @staticmethod
     def _overflow(found_inf: Optional[torch.Tensor], work) -> tuple:
@@ -261,7 +269,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """
         if found_inf is None or found_inf.device.type == "cpu" or not work:
             return False, None
-        if found_inf.device.type != "cpu" and all(b.device_steps for b, _ in work):
+        if all(b.device_steps for _, b in work):
             return False, found_inf
         return bool(found_inf.item() != 0), None
 
@@ -287,7 +295,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """The global L2 norm of the bound grads (as they are, scaled or not), in fp64: one
         multi-tensor l2norm launch per bucket."""
         squares = []
-        for bucket, _ in work:
+        for _, bucket in work:
             backend = registry.backend_for(
                 "l2norm", bucket.device,
                 tensor_subclasses=validation.storageless([bucket.grads], ("grads",)) is not None)
@@ -295,7 +303,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             # must stay clear
             flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
             total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
-            squares.append(total.to(device=work[0][0].device, dtype=torch.float64).square())
+            squares.append(total.to(device=work[0][1].device, dtype=torch.float64).square())
         return torch.stack(squares).sum().sqrt()
 
     def _ensure_checked(self, group: Dict[str, Any]) -> None:

@@ -33,14 +33,17 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         lr: learning rate. betas: ``(beta1, beta2)``. eps: added to the denominator.
         weight_decay: decoupled decay in ``adam_w_mode``, L2 penalty otherwise (default 1e-2
             as ``torch.optim.AdamW``).
-        ema_decay: EMA decay per step (the cap of the ``"warmup"``/``"diffusers"`` schedules).
+        ema_decay: EMA decay per step (the cap of the warm-up schedules).
         ema_schedule: ``None``/``"constant"`` (``ema_decay`` every step), ``"warmup"``
             (MindSpeed's ``use_num_updates``: ``min(ema_decay, (1 + n) / (10 + n))``),
-            ``"diffusers"`` (diffusers' EMA warm-up ``1 - (1 + k / ema_inv_gamma) ** -ema_power``
-            clamped to ``[ema_min_decay, ema_decay]``) or a callable ``n -> decay``. ``n`` is the
-            param's step minus ``ema_start_step``; see :mod:`fused_optim.ema_schedules`.
+            ``"diffusers"`` (diffusers' default ``EMAModel``: ``(1 + k) / (10 + k)``, k = n - 1,
+            clamped to ``[ema_min_decay, ema_decay]``), ``"diffusers_warmup"``
+            (``use_ema_warmup=True``: ``1 - (1 + k / ema_inv_gamma) ** -ema_power``, same clamp)
+            or a callable ``n -> decay``. ``n`` is the param's step minus ``ema_start_step``;
+            see :mod:`fused_optim.ema_schedules`.
         ema_start_step: up to this step the EMA tracks the params (decay 0: ``ema == param``).
-        ema_inv_gamma, ema_power, ema_min_decay: the ``"diffusers"`` schedule's options.
+        ema_inv_gamma, ema_power: the ``"diffusers_warmup"`` schedule's options; ema_min_decay:
+            both diffusers schedules'.
             All ``ema_*`` options live in the param groups and are saved by ``state_dict()``.
         adam_w_mode: ``True``: AdamW (mode 1); ``False``: Adam with L2 decay (mode 0).
         bias_correction: divide the moments by ``1 - beta^t``.
