@@ -9,18 +9,21 @@ optimizer step follows the backward pass of the same model. Reported per peer: m
 peer median / ours median (> 1: ours is faster), effective GB/s = the byte model's bytes (what
 the fused update must move, the same for every peer) / median, and that as a % of the ceiling.
 
-Ceiling. The best bandwidth of in-place streaming ops on the workload's own tensor list (fp32
+Ceiling. The bandwidth of in-place streaming ops on the workload's own tensor list (fp32
 copies of its params; the fp32 masters' shapes for bf16 workloads) and its grads, counting the
 bytes each op really moves:
   adamw_fused   torch.optim.AdamW(fused=True).step()   28 B/element: grad 4r, param/m/v 4r4w
   foreach_lerp  torch._foreach_lerp_(a, b, w)          12 B/element: a 4r4w, b 4r
   foreach_add   torch._foreach_add_(a, b)              12 B/element: a 4r4w, b 4r
-Each op's time is its best repetition, measured just before and just after the peers' rounds
-at the same thread count (within a quarter of the workload's time budget each time); the
-ceiling is the highest of the three bandwidths. These ops own their tensors, so they never
-disturb a peer's state. On large workloads the ceiling is DRAM bandwidth; on small ones (S, W2)
-the data sits in cache and W2's 3000 tensors make the ops pay per-tensor overhead, so there a
-fused step can reach more than 100% of it.
+The ops run INSIDE the interleaved rounds, as three more "peers", so the ceiling is measured
+with the same statistic and under the same conditions as the peers: each op's median over the
+rounds; the ceiling is the highest of the three median bandwidths. (This machine's memory speed
+changes between rounds, by up to 1.8x: a best-of ceiling against the peers' medians would
+compare a fast moment with a typical one.) The best single repetition of each op is reported
+beside it. These ops own their tensors, so they never disturb a peer's state. On large
+workloads the ceiling is DRAM bandwidth; on small ones (S, W2) the data sits in cache and W2's
+3000 tensors make the ops pay per-tensor overhead, so there a fused step can reach more than
+100% of it.
 
 In-cache compute. One fp32 tensor small enough that param, grad, m, v and EMA stay in L2, many
 repeated steps on one thread, timed in chunks of 100 steps; the step time is the fastest
@@ -45,9 +48,10 @@ from .config import BETAS, EMA_DECAY, EPS, LR, WEIGHT_DECAY
 from .peers import DESCRIPTIONS, Peer, deepspeed_adam, make_peer, max_abs_diff
 from .workloads import Workload
 
-CEILING_METHOD = ("best of in-place streaming ops on the workload's fp32 tensors, bytes each "
-                  "really moves: torch AdamW(fused=True) step 28 B/elem, _foreach_lerp_(a, b, w) "
-                  "12 B/elem, _foreach_add_(a, b) 12 B/elem; same run, same thread count")
+CEILING_METHOD = ("highest median bandwidth of in-place streaming ops on the workload's fp32 "
+                  "tensors, timed inside the interleaved rounds, bytes each really moves: torch "
+                  "AdamW(fused=True) step 28 B/elem, _foreach_lerp_(a, b, w) 12 B/elem, "
+                  "_foreach_add_(a, b) 12 B/elem; same run, same thread count")
 
 
 def percentile(sorted_values: List[float], q: float) -> float:
@@ -135,14 +139,30 @@ class CeilingOps:
             if time.perf_counter() - t_start > budget_s:
                 break
 
-    def result(self) -> Dict[str, object]:
+    PREFIX = "ceiling:"
+
+    def round_steps(self) -> Dict[str, Callable[[], None]]:
+        """The ops as steps for the interleaved rounds (names prefixed with ``ceiling:``)."""
+        def no_grad(op):
+            def step():
+                with torch.no_grad():
+                    op()
+            return step
+        return {self.PREFIX + name: no_grad(op) for name, op in self.ops.items()}
+
+    def result(self, round_times: Dict[str, List[float]]) -> Dict[str, object]:
+        """The ceiling from the ops' median times in the rounds (``round_times`` holds the
+        ``ceiling:*`` entries, removed from it here); best repetitions beside them."""
         ops = {}
         for name, best in self.best_s.items():
             nbytes = self.BYTES_PER_ELEMENT[name] * self.numel
+            median = statistics.median(round_times.pop(self.PREFIX + name))
             ops[name] = {"bytes_per_element": self.BYTES_PER_ELEMENT[name], "bytes_per_step": nbytes,
-                         "best_s": best, "gbps": nbytes / best / 1e9, "reps": self.reps}
+                         "median_s": median, "gbps": nbytes / median / 1e9,
+                         "best_s": best, "best_gbps": nbytes / best / 1e9, "reps": self.reps}
         best_op = max(ops, key=lambda n: ops[n]["gbps"])
-        return {"gbps": ops[best_op]["gbps"], "best_op": best_op, "ops": ops}
+        return {"gbps": ops[best_op]["gbps"], "best_op": best_op,
+                "best_rep_gbps": max(op["best_gbps"] for op in ops.values()), "ops": ops}
 
     def reset(self) -> None:
         self.best_s = {name: float("inf") for name in self.ops}
@@ -211,12 +231,12 @@ def run_workload(wl: Workload, peer_names: List[str], threads_list: List[int], *
         ceiling.reset()
         ceiling.measure((ceiling_reps + 1) // 2, budget_s / 4)
         clock.lap("ceiling")
-        inter = time_rounds(steps, rounds, budget_s)
+        inter = time_rounds(dict(steps, **ceiling.round_steps()), rounds, budget_s)
         back = time_rounds(steps, rounds, budget_s, burst) if burst > 1 else None
         clock.lap("timing")
         ceiling.measure(max(1, ceiling_reps // 2), budget_s / 4)
         clock.lap("ceiling")
-        ceil = ceiling.result()
+        ceil = ceiling.result(inter["times"])
         entry = {"threads": n, "warmup_steps": warmup, "other_processes_cores": foreign.cores(),
                  "ceiling": ceil,
                  "interleaved": _peer_figures(wl, inter, ceil["gbps"]),

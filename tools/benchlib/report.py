@@ -55,7 +55,8 @@ def print_workload(name: str, res: Dict[str, object]) -> None:
         ceil = entry["ceiling"]
         ops = ", ".join(f"{op} {o['gbps']:.1f}" for op, o in ceil["ops"].items())
         print(f"\n   -- {n} thread(s): ceiling {ceil['gbps']:.1f} GB/s = max({ops}) GB/s, "
-              f"best of {next(iter(ceil['ops'].values()))['reps']} reps")
+              f"medians in the interleaved rounds (best single repetition "
+              f"{ceil['best_rep_gbps']:.1f} GB/s)")
         foreign = entry["other_processes_cores"]
         if foreign is not None and foreign > NOISY_CORES:
             print(f"   NOISY: other processes kept {foreign:.2f} cores busy during these rounds")
