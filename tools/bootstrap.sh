@@ -26,7 +26,8 @@ build_deps=(setuptools wheel ninja numpy)
 # demo too. Neither depends on torch, so pip never pulls another torch for them.
 build_deps+=(scikit-learn matplotlib)
 if [[ "${1:-}" == "--test" ]]; then
-    build_deps+=(pytest)
+    # expecttest: torch.testing._internal (torch's optimizer error inputs, tests/test_torch_conformance.py)
+    build_deps+=(pytest expecttest)
     # triton: the CUDA backend's kernels, tested on CPU (interpreter + PTX). An installed triton
     # (e.g. the one a CUDA torch pins) is kept as it is.
     "$PYTHON" -c "import triton" 2>/dev/null || build_deps+=("triton==${TRITON_VERSION:-3.6.0}")
