@@ -103,15 +103,25 @@ class AdamStateMixin:
             ema_schedules.check_group(name, group)
 
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
-        return (self._has_ema(group), bool(group.get("master_weights", False)))
+        return (self._has_ema(group), bool(group.get("master_weights", False)),
+                ema_schedules.update_every(group))
+
+    def _ema_skipping(self, group: Dict[str, Any], state_lists) -> Optional[tuple]:
+        """With ``ema_update_every = k > 1``: the no-EMA op on ``[params, m, v(, masters)]``."""
+        every = ema_schedules.update_every(group)
+        if not self._has_ema(group) or every == 1:
+            return None
+        return every, schema.adam_op(self._rule, False), state_lists[:3] + state_lists[4:]
 
     def _step_dependent(self, group: Dict[str, Any]) -> bool:
-        """An EMA schedule other than a constant decay from step 1 depends on the step."""
+        """An EMA schedule other than a constant decay from step 1, or an EMA updated every k > 1
+        steps, depends on the step."""
         if not self._has_ema(group):
             return False
         schedule = group.get("ema_schedule")
         constant = schedule is None or (isinstance(schedule, str) and schedule.lower() == "constant")
-        return not constant or bool(group.get("ema_start_step", 0))
+        return (not constant or bool(group.get("ema_start_step", 0))
+                or ema_schedules.update_every(group) > 1)
 
     def _op(self, group: Dict[str, Any]) -> schema.OpSpec:
         return schema.adam_op(self._rule, self._has_ema(group))
@@ -137,7 +147,9 @@ class AdamStateMixin:
         with EMA schedules; this is the plain per-group ``ema_decay``.
         """
         decay = group.get("ema_decay")
-        return None if decay is None else float(decay)
+        if decay is None or not ema_schedules.updates_at(step, ema_schedules.update_every(group)):
+            return None
+        return float(decay)
 
     # --- state --------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, group: Dict[str, Any], state: Dict[str, Any]) -> None:

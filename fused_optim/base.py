@@ -52,12 +52,17 @@ class _Bucket:
     ``device_steps``: the backend keeps the step counter on the device and computes the step's
     scalars there (``prepared.run_device_step``), reading GradScaler's ``found_inf`` there too,
     so a step needs no host sync; the host's ``step`` then counts the steps attempted.
+
+    ``ema_free``: with ``ema_update_every = k > 1``, the bucket's lists without the EMA bound to
+    the op without it, which runs the steps that do not update the EMA (``step % k != 0`` before
+    the step), so those steps move no EMA bytes.
     """
 
     __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device", "complex",
-                 "device_steps", "grads")
+                 "device_steps", "grads", "ema_free", "every", "active")
 
-    def __init__(self, rows: Optional[List[int]], params, prepared, step: int, device_steps: bool):
+    def __init__(self, rows: Optional[List[int]], params, prepared, step: int, device_steps: bool,
+                 ema_free=None, every: int = 1):
         self.rows = rows              # indices into the group's params; None: all, in order
         self.params = params
         self.prepared = prepared
@@ -68,6 +73,9 @@ class _Bucket:
         self.step_tensor = torch.full((), float(step), dtype=torch.float32,
                                       device=self.device if device_steps else "cpu")
         self.grads: Optional[List[torch.Tensor]] = None
+        self.ema_free = ema_free
+        self.every = every
+        self.active = prepared        # what this step runs: prepared, or ema_free
 
     def bind(self, grads: List[Optional[torch.Tensor]]) -> bool:
         """Take this step's grads (real views for complex params) if they fit the bucket."""
@@ -75,7 +83,8 @@ class _Bucket:
         if self.complex:
             mine = [None if g is None else _real_view(g) for g in mine]
         self.grads = mine
-        return self.prepared.bind(mine)
+        self.active = self.prepared if self.step % self.every == 0 else self.ema_free
+        return self.active.bind(mine)
 
     def run(self, hyper: rules.AdamHyper, noop_flag: torch.Tensor,
             skip_flag: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> None:
@@ -86,7 +95,7 @@ class _Bucket:
             self.prepared.run_device_step(self.step_tensor, hyper, flag, scale)
             self.step += 1
         else:
-            self.prepared.run(noop_flag, rules.step_scalars(hyper, self.step + 1), scale, False)
+            self.active.run(noop_flag, rules.step_scalars(hyper, self.step + 1), scale, False)
             self.step += 1
             self.step_tensor.fill_(self.step)
         self.grads = None
@@ -161,6 +170,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
         """Group options the bound lists depend on; when they change, the plan is rebuilt."""
+        return None
+
+    def _ema_skipping(self, group: Dict[str, Any], state_lists) -> Optional[tuple]:
+        """``(k, op, state lists)`` when the group updates its EMA only every ``k > 1`` steps: the
+        op and lists (without the EMA) of the steps in between; None otherwise."""
         return None
 
     def _step_dependent(self, group: Dict[str, Any]) -> bool:
@@ -242,11 +256,12 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         return loss
 
     def _bound_buckets(self, group: Dict[str, Any]) -> List[_Bucket]:
-        """A group's buckets for this step: planned, options checked, grads bound."""
-        plan = self._plan(group, [p.grad for p in group["params"]])
-        if plan.buckets:
+        """A group's buckets for this step: options checked (the plan depends on them), planned,
+        grads bound."""
+        grads = [p.grad for p in group["params"]]
+        if any(g is not None for g in grads):
             self._ensure_checked(group)
-        return plan.buckets
+        return self._plan(group, grads).buckets
 
     def _hypers(self, work) -> List[rules.AdamHyper]:
         """Every bucket's hyperparameters, once per (group, step), before any bucket runs (an
@@ -365,16 +380,26 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             if bucket_params[0].is_complex():
                 state_lists = [[_real_view(t) for t in tensors] for tensors in state_lists]
             bucket_grads = [_real_view(grads[i]) for i in rows]
-            form = schema.check_lists(spec, [bucket_grads] + state_lists)
-            backend = schema.backend_for_lists(spec, [bucket_grads] + state_lists, form)
-            checked.append((rows, bucket_params, backend, state_lists))
+            variants = [(1, spec, state_lists)]
+            skipping = self._ema_skipping(group, state_lists)
+            if skipping is not None:
+                variants.append(skipping)
+            bound = []
+            for every, op, lists in variants:
+                form = schema.check_lists(op, [bucket_grads] + lists)
+                bound.append((every, op, lists,
+                              schema.backend_for_lists(op, [bucket_grads] + lists, form)))
+            checked.append((rows, bucket_params, bound))
         buckets = []
-        for rows, bucket_params, backend, state_lists in checked:
-            prepared = backend.prepare_bucket(spec.name, state_lists, self._chunk_size)
+        for rows, bucket_params, bound in checked:
+            prepared = [backend.prepare_bucket(op.name, lists, self._chunk_size)
+                        for _, op, lists, backend in bound]
             all_rows = len(rows) == len(params) and rows == list(range(len(params)))
-            device_steps = hasattr(prepared, "run_device_step") and not self._step_dependent(group)
-            bucket = _Bucket(None if all_rows else rows, bucket_params, prepared,
-                             self._step_of(bucket_params[0]), device_steps)
+            device_steps = (hasattr(prepared[0], "run_device_step")
+                            and not self._step_dependent(group))
+            bucket = _Bucket(None if all_rows else rows, bucket_params, prepared[0],
+                             self._step_of(bucket_params[0]), device_steps,
+                             ema_free=prepared[-1], every=bound[-1][0])
             for p in bucket_params:
                 self.state[p]["step"] = bucket.step_tensor
             buckets.append(bucket)

@@ -125,11 +125,12 @@ class EmaAccessMixin:
         super()._before_step()
 
     def ema_decay_at(self, step: int, group: int = 0) -> Optional[float]:
-        """The decay the EMA update at optimizer step ``step`` (>= 1) of ``param_groups[group]`` uses."""
+        """The decay the EMA update at optimizer step ``step`` (>= 1) of ``param_groups[group]`` uses;
+        ``None`` if that step does not update the EMA (``ema_update_every``)."""
         return ema_schedules.group_ema_decay(type(self).__name__, self.param_groups[group], int(step))
 
     def set_ema_schedule(self, ema_schedule=_KEEP, *, ema_start_step=_KEEP, ema_inv_gamma=_KEEP,
-                         ema_power=_KEEP, ema_min_decay=_KEEP) -> None:
+                         ema_power=_KEEP, ema_min_decay=_KEEP, ema_update_every=_KEEP) -> None:
         """Set EMA schedule options on every param group (and the defaults of groups added later).
 
         For optimizers whose constructor does not take them; options not given are left as they
@@ -137,7 +138,8 @@ class EmaAccessMixin:
         """
         given = {k: v for k, v in dict(ema_schedule=ema_schedule, ema_start_step=ema_start_step,
                                        ema_inv_gamma=ema_inv_gamma, ema_power=ema_power,
-                                       ema_min_decay=ema_min_decay).items() if v is not _KEEP}
+                                       ema_min_decay=ema_min_decay,
+                                       ema_update_every=ema_update_every).items() if v is not _KEEP}
         for group in self.param_groups:
             ema_schedules.check_group(type(self).__name__, {**group, **given})
         for group in self.param_groups:

@@ -44,6 +44,8 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         ema_start_step: up to this step the EMA tracks the params (decay 0: ``ema == param``).
         ema_inv_gamma, ema_power: the ``"diffusers_warmup"`` schedule's options; ema_min_decay:
             both diffusers schedules'.
+        ema_update_every: update the EMA at steps ``1, 1 + k, 1 + 2k, ...`` only (ema-pytorch's
+            ``update_every``); the steps in between run AdamW alone and move no EMA bytes.
             All ``ema_*`` options live in the param groups and are saved by ``state_dict()``.
         adam_w_mode: ``True``: AdamW (mode 1); ``False``: Adam with L2 decay (mode 0).
         bias_correction: divide the moments by ``1 - beta^t``.
@@ -75,7 +77,7 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                  master_weights: bool = True, maximize: bool = False,
                  ema_schedule: ema_schedules.Schedule = None, ema_start_step: int = 0,
                  ema_inv_gamma: float = 1.0, ema_power: float = 2.0 / 3.0,
-                 ema_min_decay: float = 0.0, amsgrad: bool = False,
+                 ema_min_decay: float = 0.0, ema_update_every: int = 1, amsgrad: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
                  fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
@@ -89,7 +91,8 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                         bias_correction=bias_correction, master_weights=master_weights,
                         maximize=maximize, ema_schedule=ema_schedule,
                         ema_start_step=ema_start_step, ema_inv_gamma=ema_inv_gamma,
-                        ema_power=ema_power, ema_min_decay=ema_min_decay)
+                        ema_power=ema_power, ema_min_decay=ema_min_decay,
+                        ema_update_every=ema_update_every)
         self._check_group(defaults)
         super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
                          max_grad_norm=max_grad_norm)

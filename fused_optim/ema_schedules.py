@@ -68,6 +68,15 @@ a callable ``fn(n) -> float``
 ``ema_min_decay`` is used by ``"diffusers"`` and ``"diffusers_warmup"``, ``ema_inv_gamma`` and
 ``ema_power`` by ``"diffusers_warmup"`` only; the other schedules ignore them. Schedule names are
 case-insensitive.
+
+Updating every k-th step (``ema_update_every``)
+-----------------------------------------------
+With ``ema_update_every = k`` (an integer >= 1, default 1) the EMA is updated at the steps
+``t = 1, 1 + k, 1 + 2k, ...`` (``(t - 1) % k == 0``), with the decay of that step ``t`` from the
+schedule above; the steps in between run the kernel without the EMA (AdamW alone: the EMA's
+8 bytes per element are neither read nor written) and leave the EMA, and the buffer EMA, as they
+are. This is ema-pytorch's ``EMA(update_every=k)`` convention: it counts its calls from 0, tests
+``call % k == 0`` and its first call always initialises the EMA.
 """
 from __future__ import annotations
 
@@ -91,6 +100,7 @@ EMA_OPTION_DEFAULTS: Dict[str, Any] = {
     "ema_inv_gamma": 1.0,
     "ema_power": 2.0 / 3.0,
     "ema_min_decay": 0.0,
+    "ema_update_every": 1,
 }
 
 
@@ -109,8 +119,11 @@ def _schedule_name(schedule: Schedule) -> Optional[str]:
 
 def check_ema_options(owner: str, *, ema_decay=None, ema_schedule: Schedule = None,
                       ema_start_step=0, ema_inv_gamma=1.0, ema_power=2.0 / 3.0,
-                      ema_min_decay=0.0) -> None:
+                      ema_min_decay=0.0, ema_update_every=1) -> None:
     """Raise ``ValueError``/``TypeError`` naming ``owner`` and the option if an option is invalid."""
+    if (isinstance(ema_update_every, bool) or not isinstance(ema_update_every, numbers.Integral)
+            or ema_update_every < 1):
+        raise ValueError(f"{owner}: ema_update_every must be an integer >= 1, got {ema_update_every!r}")
     if isinstance(ema_schedule, str):
         if ema_schedule.lower() not in SCHEDULES:
             raise ValueError(
@@ -162,13 +175,22 @@ def diffusers_warmup_decay(n: int, decay: float, inv_gamma: float = 1.0, power: 
     return max(value, min_decay)
 
 
+def updates_at(step: int, ema_update_every: int) -> bool:
+    """Whether optimizer step ``step`` (``>= 1``) updates the EMA (see "ema_update_every" above)."""
+    return (int(step) - 1) % int(ema_update_every) == 0
+
+
 def ema_decay_at(step: int, ema_decay: float, ema_schedule: Schedule = None, ema_start_step: int = 0,
                  ema_inv_gamma: float = 1.0, ema_power: float = 2.0 / 3.0,
-                 ema_min_decay: float = 0.0, *, owner: str = "ema_decay_at") -> float:
-    """The decay of the EMA update made at optimizer step ``step`` (``>= 1``; see the module doc).
+                 ema_min_decay: float = 0.0, ema_update_every: int = 1, *,
+                 owner: str = "ema_decay_at") -> Optional[float]:
+    """The decay of the EMA update made at optimizer step ``step`` (``>= 1``; see the module doc);
+    ``None`` when ``ema_update_every`` skips that step.
 
     Options are assumed valid (see :func:`check_ema_options`); a callable's result is checked.
     """
+    if not updates_at(step, ema_update_every):
+        return None
     n = int(step) - int(ema_start_step)
     if n <= 0:
         return 0.0
@@ -202,6 +224,11 @@ def group_options(group: Mapping[str, Any]) -> Dict[str, Any]:
     return {key: group.get(key, default) for key, default in EMA_OPTION_DEFAULTS.items()}
 
 
+def update_every(group: Mapping[str, Any]) -> int:
+    """A param group's ``ema_update_every`` (1 for a group saved before the option existed)."""
+    return int(group.get("ema_update_every", 1))
+
+
 def check_group(owner: str, group: Mapping[str, Any]) -> None:
     """Validate a param group's EMA schedule options (``ema_decay`` is checked by the optimizer)."""
     check_ema_options(owner, ema_decay=group.get("ema_decay"), **group_options(group))
@@ -209,7 +236,8 @@ def check_group(owner: str, group: Mapping[str, Any]) -> None:
 
 def group_ema_decay(owner: str, group: Mapping[str, Any], step: int, *,
                     checked: bool = False) -> Optional[float]:
-    """The decay for a param group's EMA update at ``step``; ``None`` if the group keeps no EMA.
+    """The decay for a param group's EMA update at ``step``; ``None`` if the group keeps no EMA
+    or does not update it at ``step`` (``ema_update_every``).
 
     ``checked``: the group's options were already validated (:func:`check_group`).
     """

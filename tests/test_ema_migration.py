@@ -313,9 +313,14 @@ def test_timm_model_ema_v3(peer_kw, with_step, our_kw, exclude_buffers, backend)
 
 # --- ema-pytorch EMA ---------------------------------------------------------------------------
 EMA_PYTORCH_ROWS = [
-    # (EMA kwargs, our kwargs); update_every=1 (its default, 10, is not supported)
+    # (EMA kwargs, our kwargs)
+    (dict(),                                                  # defaults: update_every=10
+     dict(ema_decay=0.9999, ema_schedule="diffusers_warmup", ema_start_step=100,
+          ema_update_every=10)),
     (dict(update_every=1),
      dict(ema_decay=0.9999, ema_schedule="diffusers_warmup", ema_start_step=100)),
+    (dict(update_every=3, beta=0.9, update_after_step=4),
+     dict(ema_decay=0.9, ema_schedule="diffusers_warmup", ema_start_step=4, ema_update_every=3)),
     (dict(update_every=1, beta=0.85, update_after_step=5, inv_gamma=2.0, power=0.75, min_value=0.3),
      dict(ema_decay=0.85, ema_schedule="diffusers_warmup", ema_start_step=5, ema_inv_gamma=2.0,
           ema_power=0.75, ema_min_decay=0.3)),                # min binds at k = 1; cap at k = 23
@@ -335,14 +340,18 @@ def test_ema_pytorch_ema(peer_kw, our_kw, backend):
         train_step(model, opt, t)
         ema.update()
         assert ema.step == t
-        assert opt.last_ema_decays == {(0, t): ema.last_decay}, t
+        expected = {} if ema.last_decay is None else {(0, t): ema.last_decay}
+        assert opt.last_ema_decays == expected, t
     sd = opt.ema_state_dict(model)           # = ema.ema_model.state_dict() for tracked entries
     for name, ref in ema.ema.items():
         assert_close(sd[name], ref, name)
     # non-float buffers: ema-pytorch leaves its EMA model's copy at the value it was deep-copied
-    # with; ours is a copy of the live buffer taken at every step (timm's behaviour)
+    # with; ours is a copy of the live buffer taken at every step that updates the EMA (timm's
+    # behaviour), here the last of 1, 1 + k, 1 + 2k, ... (one forward per step)
     assert int(ema.initial["bn.num_batches_tracked"]) == 0
-    assert torch.equal(sd["bn.num_batches_tracked"], model.bn.num_batches_tracked)
+    last_update = steps - (steps - 1) % our_kw.get("ema_update_every", 1)
+    assert int(model.bn.num_batches_tracked) == steps
+    assert int(sd["bn.num_batches_tracked"]) == last_update
 
 
 def test_ema_pytorch_decays_are_fp32_evaluations_of_the_same_formula():
