@@ -1,0 +1,222 @@
+"""The README's recipes, run small: Lightning, the Hugging Face Trainer and a plain loop.
+
+Each framework test skips when its package is absent (``tools/bootstrap.sh --test`` installs
+them). A framework run is compared with the same plain loop: bit for bit where the framework does
+nothing but call ``step()`` (same grads, same order), to float rounding against torch's AdamW.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fused_optim import FusedEmaAdamW
+from seed_reference import assert_bitwise_equal, assert_close64
+
+BATCH, EPOCH_BATCHES = 16, 4
+
+
+def _net(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(dtype)
+
+
+def _data(seed=1, n=BATCH * EPOCH_BATCHES):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    return x, (x[:, :1] * 3.0 + torch.randn(n, 1, generator=gen)) * 4.0  # large grads: clipping acts
+
+
+def _loader(seed=1):
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data(seed)), batch_size=BATCH)
+
+
+def _opt(params, **kw):
+    return FusedEmaAdamW(params, lr=1e-2, weight_decay=0.01, ema_decay=0.9, **kw)
+
+
+def _plain_loop(make_opt, epochs, *, autocast=None, clip=None, scaler=None, dtype=torch.float32):
+    """The loop a framework runs: forward (under autocast), backward, clip, step."""
+    net = _net(dtype=dtype)
+    opt = make_opt(net.parameters())
+    norms = []
+    for _ in range(epochs):
+        for x, y in _loader():
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = F.mse_loss(net(x.to(dtype)), y.to(dtype))
+            (scaler.scale(loss) if scaler else loss).backward()
+            if clip is not None:
+                if scaler:
+                    scaler.unscale_(opt)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+    return net, opt, norms
+
+
+def _assert_same(net_a, opt_a, net_b, opt_b, what):
+    for i, (p, q) in enumerate(zip(net_a.parameters(), net_b.parameters())):
+        assert_bitwise_equal(p, q, f"{what}: param {i}")
+        for key, value in opt_b.state[q].items():
+            assert_bitwise_equal(opt_a.state[p][key], value, f"{what}: state[{i}][{key!r}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning
+
+@functools.lru_cache(maxsize=None)
+def _lightning():
+    L = pytest.importorskip("lightning.pytorch")
+
+    class Regressor(L.LightningModule):
+        def __init__(self, make_opt=_opt, dtype=torch.float32):
+            super().__init__()
+            self.net = _net(dtype=dtype)
+            self.make_opt = make_opt
+            self.val_losses = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.net(x.to(self.dtype)), y.to(self.dtype))
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.val_losses.append(F.mse_loss(self.net(x), y).detach().clone())
+
+        def configure_optimizers(self):
+            return self.make_opt(self.parameters())
+
+    class EmaValidation(L.Callback):
+        """Validate with the EMA weights: swapped in for the validation loop, restored after."""
+
+        def on_validation_epoch_start(self, trainer, pl_module):
+            self._swap = trainer.optimizers[0].swap_ema_weights()
+            self._swap.__enter__()
+
+        def on_validation_epoch_end(self, trainer, pl_module):
+            self._swap.__exit__(None, None, None)
+
+    return L, Regressor, EmaValidation
+
+
+def _fit(module, epochs, tmp_path, val=False, ckpt_path=None, **trainer_kw):
+    L = _lightning()[0]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        default_root_dir=str(tmp_path), **trainer_kw)
+    trainer.fit(module, _loader(), _loader(seed=2) if val else None, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_lightning_fp32_matches_plain_loop_and_torch_adamw(tmp_path):
+    _, Regressor, _ = _lightning()
+    module = Regressor()
+    trainer = _fit(module, 3, tmp_path)
+    opt = trainer.optimizers[0]
+    net, ref_opt, _ = _plain_loop(_opt, 3)
+    _assert_same(module.net, opt, net, ref_opt, "Lightning vs plain loop")
+    # torch's AdamW with the same hyperparameters: the same trajectory to float rounding
+    torch_net, _, _ = _plain_loop(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=False), 3)
+    for p, q, p0 in zip(module.net.parameters(), torch_net.parameters(), _net().parameters()):
+        assert_close64(p, q, rtol=1e-5, atol=1e-6, msg="Lightning + FusedEmaAdamW vs torch AdamW")
+        assert (p - p0).abs().max() > 1e-2  # it trained
+    assert int(opt.state[next(module.parameters())]["step"]) == 3 * EPOCH_BATCHES
+
+
+def test_lightning_bf16_mixed_gradient_clip_val_with_fused_unscale_off(tmp_path):
+    """Lightning clips the grads itself (``gradient_clip_val``): ``fused_unscale=False``."""
+    _, Regressor, _ = _lightning()
+    make_opt = functools.partial(_opt, fused_unscale=False)
+    module = Regressor(make_opt)
+    trainer = _fit(module, 2, tmp_path, precision="bf16-mixed", gradient_clip_val=0.5)
+    net, ref_opt, norms = _plain_loop(make_opt, 2, autocast=torch.bfloat16, clip=0.5)
+    assert min(norms) > 0.5  # every step was clipped
+    _assert_same(module.net, trainer.optimizers[0], net, ref_opt, "Lightning clip vs plain clip")
+
+
+def test_lightning_refuses_gradient_clip_val_with_fused_unscale_use_max_grad_norm(tmp_path):
+    """With the fused unscale (the default) Lightning refuses ``gradient_clip_val`` under mixed
+    precision, as for torch's ``AdamW(fused=True)``; ``max_grad_norm=`` clips inside the step."""
+    _, Regressor, _ = _lightning()
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        _fit(Regressor(), 1, tmp_path, precision="bf16-mixed", gradient_clip_val=0.5)
+    make_opt = functools.partial(_opt, max_grad_norm=0.5)
+    module = Regressor(make_opt)
+    trainer = _fit(module, 2, tmp_path, precision="bf16-mixed")
+    net, ref_opt, _ = _plain_loop(make_opt, 2, autocast=torch.bfloat16)
+    _assert_same(module.net, trainer.optimizers[0], net, ref_opt, "Lightning max_grad_norm")
+    assert float(trainer.optimizers[0].last_grad_norm) > 0.5  # clipping acted
+    # the same clip as gradient_clip_val (to float rounding: the factor joins the unscale)
+    clipped, _, _ = _plain_loop(_opt, 2, autocast=torch.bfloat16, clip=0.5)
+    for p, q in zip(module.net.parameters(), clipped.parameters()):
+        assert_close64(p, q, rtol=1e-5, atol=1e-6, msg="max_grad_norm vs clip_grad_norm_")
+
+
+def test_lightning_fp16_grad_scaler(tmp_path):
+    """fp16 autocast with a GradScaler. Lightning turns ``precision="16-mixed"`` on the CPU into
+    bf16-mixed, so the test hands it the MixedPrecision plugin with a CPU GradScaler directly."""
+    L = _lightning()[0]
+    _, Regressor, _ = _lightning()
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def plugin():
+        return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0 ** 12))
+
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        _fit(Regressor(), 1, tmp_path, plugins=[plugin()], gradient_clip_val=0.5)
+    for kw, trainer_kw, clip in ((dict(max_grad_norm=0.5), {}, None),
+                                 (dict(fused_unscale=False), dict(gradient_clip_val=0.5), 0.5)):
+        make_opt = functools.partial(_opt, **kw)
+        module = Regressor(make_opt)
+        trainer = _fit(module, 2, tmp_path, plugins=[plugin()], **trainer_kw)
+        net, ref_opt, _ = _plain_loop(make_opt, 2, autocast=torch.float16, clip=clip,
+                                      scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 12))
+        _assert_same(module.net, trainer.optimizers[0], net, ref_opt, f"Lightning 16-mixed {kw}")
+
+
+def test_lightning_ema_validation_callback(tmp_path):
+    _, Regressor, EmaValidation = _lightning()
+    module = Regressor()
+    trainer = _fit(module, 2, tmp_path, val=True, callbacks=[EmaValidation()])
+    opt = trainer.optimizers[0]
+    net, ref_opt, _ = _plain_loop(_opt, 2)
+    _assert_same(module.net, opt, net, ref_opt, "params restored after EMA validation")
+    ema_net = _net()
+    ema_net.load_state_dict(opt.ema_state_dict(module.net))
+    x, y = _data(seed=2)
+    batches = range(0, len(x), BATCH)
+    assert len(module.val_losses) == 2 * len(batches)
+    for i, loss in zip(batches, module.val_losses[-len(batches):]):
+        with torch.no_grad():
+            ema_loss = F.mse_loss(ema_net(x[i:i + BATCH]), y[i:i + BATCH])
+            raw_loss = F.mse_loss(module.net(x[i:i + BATCH]), y[i:i + BATCH])
+        assert_bitwise_equal(loss, ema_loss, "validated with the EMA weights")
+        assert not torch.equal(loss, raw_loss)
+
+
+def test_lightning_checkpoint_resume_is_bit_exact(tmp_path):
+    """bf16 params (``precision="bf16-true"``) with fp32 masters, an EMA warm-up schedule: the
+    checkpoint carries moments, masters, EMA and steps; the resumed run equals an uninterrupted one."""
+    _, Regressor, _ = _lightning()
+    make_opt = functools.partial(_opt, ema_schedule="warmup")
+    first = Regressor(make_opt)
+    trainer = _fit(first, 2, tmp_path, precision="bf16-true")
+    assert first.net[0].weight.dtype == torch.bfloat16
+    assert "master_param" in trainer.optimizers[0].state[first.net[0].weight]
+    ckpt = str(tmp_path / "half.ckpt")
+    trainer.save_checkpoint(ckpt)
+    resumed = Regressor(make_opt)
+    resumed_trainer = _fit(resumed, 4, tmp_path, precision="bf16-true", ckpt_path=ckpt)
+    whole = Regressor(make_opt)
+    whole_trainer = _fit(whole, 4, tmp_path, precision="bf16-true")
+    _assert_same(resumed.net, resumed_trainer.optimizers[0], whole.net, whole_trainer.optimizers[0],
+                 "resumed vs uninterrupted")
+    assert int(whole_trainer.optimizers[0].state[whole.net[0].weight]["step"]) == 4 * EPOCH_BATCHES
