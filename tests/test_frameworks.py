@@ -220,3 +220,103 @@ def test_lightning_checkpoint_resume_is_bit_exact(tmp_path):
     _assert_same(resumed.net, resumed_trainer.optimizers[0], whole.net, whole_trainer.optimizers[0],
                  "resumed vs uninterrupted")
     assert int(whole_trainer.optimizers[0].state[whole.net[0].weight]["step"]) == 4 * EPOCH_BATCHES
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face Trainer
+
+@functools.lru_cache(maxsize=None)
+def _hf():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+
+    class TinyConfig(transformers.PretrainedConfig):
+        model_type = "fused-optim-tiny"
+
+        def __init__(self, hidden=16, **kwargs):
+            self.hidden = hidden
+            super().__init__(**kwargs)
+
+    class TinyModel(transformers.PreTrainedModel):
+        config_class = TinyConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.net = _net()
+            self.post_init()
+
+        def _init_weights(self, module):
+            pass  # _net() is seeded: every run starts from the same weights
+
+        def forward(self, x, labels=None):
+            out = self.net(x.to(self.dtype))
+            loss = None if labels is None else F.mse_loss(out, labels.to(self.dtype))
+            return {"loss": loss, "logits": out}
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self):
+            self.x, self.y = _data()
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    return transformers, TinyConfig, TinyModel, Rows
+
+
+def _hf_train(tmp_path, name, make_opt, *, dtype=torch.float32, max_steps=8, resume=None, **args):
+    transformers, TinyConfig, TinyModel, Rows = _hf()
+    model = TinyModel(TinyConfig()).to(dtype)
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path / name), per_device_train_batch_size=BATCH, max_steps=max_steps,
+        report_to="none", use_cpu=True, logging_strategy="no", disable_tqdm=True, seed=0,
+        **{"save_strategy": "no", **args})
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=Rows(),
+                                   optimizers=(opt, sched))
+    trainer.train(resume_from_checkpoint=resume)
+    return model, opt
+
+
+def test_hf_trainer_fp32_matches_torch_adamw_and_clipping_recipes(tmp_path):
+    """The Trainer clips (``args.max_grad_norm``, default 1.0) before ``step()``: with fp32 on
+    the CPU nothing is scaled, so any optimizer works. ``args.max_grad_norm=0`` with the
+    optimizer's ``max_grad_norm=`` clips inside the step (and keeps the fused unscale)."""
+    theirs, _ = _hf_train(tmp_path, "torch", lambda ps: torch.optim.AdamW(
+        ps, lr=1e-2, weight_decay=0.01, foreach=False), max_grad_norm=0.5)
+    hf_clip, _ = _hf_train(tmp_path, "hf_clip", _opt, max_grad_norm=0.5)
+    ours_clip, opt = _hf_train(tmp_path, "our_clip", functools.partial(_opt, max_grad_norm=0.5),
+                               max_grad_norm=0.0)
+    unclipped, _ = _hf_train(tmp_path, "no_clip", _opt, max_grad_norm=0.0)
+    assert float(opt.last_grad_norm) > 0.5  # clipping acted
+    for p, q, r, u in zip(hf_clip.parameters(), theirs.parameters(), ours_clip.parameters(),
+                          unclipped.parameters()):
+        assert_close64(p, q, rtol=1e-5, atol=1e-6, msg="HF: FusedEmaAdamW vs torch AdamW")
+        assert_close64(r, p, rtol=1e-5, atol=1e-6, msg="HF: max_grad_norm vs args.max_grad_norm")
+        assert not torch.allclose(u, p, rtol=1e-3, atol=1e-4)  # the clip changed the result
+
+
+def test_hf_trainer_resume_is_bit_exact_and_ema_export(tmp_path):
+    """bf16 params with fp32 masters: the Trainer saves ``opt.state_dict()`` (moments, masters,
+    EMA, steps) in ``optimizer.pt`` and loads it on resume (mid-epoch, shuffled data); the
+    resumed run equals the uninterrupted one bit for bit. The EMA is exported as a model."""
+    transformers, TinyConfig, TinyModel, _ = _hf()
+    make_opt = functools.partial(_opt, ema_schedule="warmup")
+    whole, opt = _hf_train(tmp_path, "run", make_opt, dtype=torch.bfloat16, max_steps=12,
+                           save_strategy="steps", save_steps=6)
+    assert opt.state[whole.net[0].weight]["master_param"].dtype == torch.float32
+    resumed, resumed_opt = _hf_train(tmp_path, "run", make_opt, dtype=torch.bfloat16,
+                                     max_steps=12, resume=str(tmp_path / "run" / "checkpoint-6"))
+    assert int(resumed_opt.state[resumed.net[0].weight]["step"]) == 12
+    _assert_same(resumed.net, resumed_opt, whole.net, opt, "HF resumed vs uninterrupted")
+    # export: the fp32 EMA as a model of its own (save_pretrained / from_pretrained)
+    ema_model = TinyModel(TinyConfig())
+    ema_model.load_state_dict(opt.ema_state_dict(whole, dtype=torch.float32))
+    ema_model.save_pretrained(str(tmp_path / "ema"))
+    loaded = TinyModel.from_pretrained(str(tmp_path / "ema"))
+    for p, q in zip(whole.net.parameters(), loaded.net.parameters()):
+        assert_bitwise_equal(q.detach(), opt.state[p]["ema"], "exported EMA")
+        assert not torch.equal(q.detach(), opt.state[p]["master_param"])
