@@ -270,7 +270,7 @@ def _hf_train(tmp_path, name, make_opt, *, dtype=torch.float32, max_steps=8, res
     transformers, TinyConfig, TinyModel, Rows = _hf()
     model = TinyModel(TinyConfig()).to(dtype)
     opt = make_opt(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+    sched = transformers.get_linear_schedule_with_warmup(opt, 2, max_steps)
     targs = transformers.TrainingArguments(
         output_dir=str(tmp_path / name), per_device_train_batch_size=BATCH, max_steps=max_steps,
         report_to="none", use_cpu=True, logging_strategy="no", disable_tqdm=True, seed=0,
@@ -320,3 +320,70 @@ def test_hf_trainer_resume_is_bit_exact_and_ema_export(tmp_path):
     for p, q in zip(whole.net.parameters(), loaded.net.parameters()):
         assert_bitwise_equal(q.detach(), opt.state[p]["ema"], "exported EMA")
         assert not torch.equal(q.detach(), opt.state[p]["master_param"])
+
+
+# ---------------------------------------------------------------------------------------------
+# A plain (timm-style) loop: the README's recipe as written. GradScaler with the fused unscale
+# and clipping against clip_grad_norm_ are tested in test_amp_clipping.py, resume under a
+# GradScaler in test_state_dict_amp.py.
+
+def _plain_recipe(model, opt, scaler, epochs, start=0, x_val=None, y_val=None):
+    """bf16 (or fp16 + GradScaler) autocast, clipping inside the step, EMA evaluation."""
+    amp_dtype = torch.float16 if scaler.is_enabled() else torch.bfloat16
+    val_losses = []
+    for epoch in range(start, epochs):
+        for x, y in _loader():
+            with torch.autocast("cpu", dtype=amp_dtype):
+                loss = F.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)              # a disabled scaler just calls opt.step()
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        with opt.swap_ema_weights(), torch.no_grad():
+            val_losses.append(F.mse_loss(model(x_val), y_val))
+    return val_losses
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_plain_loop_recipe(tmp_path, fp16):
+    x_val, y_val = _data(seed=2)
+    make_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, enabled=fp16)  # noqa: E731
+    model = _net()
+    opt = FusedEmaAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, ema_decay=0.9,
+                        max_grad_norm=0.5)
+    scaler = make_scaler()
+    val = _plain_recipe(model, opt, scaler, 2, x_val=x_val, y_val=y_val)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()},
+               tmp_path / "ckpt.pt")
+    val += _plain_recipe(model, opt, scaler, 3, start=2, x_val=x_val, y_val=y_val)
+    assert float(opt.last_grad_norm) > 0.5
+    # evaluated with the EMA weights; the training weights are back after each swap
+    ema_model = _net()
+    ema_model.load_state_dict(opt.ema_state_dict(model))
+    with torch.no_grad():
+        assert_bitwise_equal(val[-1], F.mse_loss(ema_model(x_val), y_val), "EMA evaluation")
+        assert not torch.equal(val[-1], F.mse_loss(model(x_val), y_val))
+    # resume from the checkpoint: the last epoch again, bit for bit
+    resumed = _net(seed=5)
+    resumed_opt = FusedEmaAdamW(resumed.parameters(), lr=1e-2, weight_decay=0.01, ema_decay=0.9,
+                                max_grad_norm=0.5)
+    resumed_scaler = make_scaler()
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed.load_state_dict(ckpt["model"])
+    resumed_opt.load_state_dict(ckpt["opt"])
+    resumed_scaler.load_state_dict(ckpt["scaler"])
+    resumed_val = _plain_recipe(resumed, resumed_opt, resumed_scaler, 3, start=2,
+                                x_val=x_val, y_val=y_val)
+    assert_bitwise_equal(resumed_val[-1], val[-1], "resumed EMA evaluation")
+    _assert_same(resumed, resumed_opt, model, opt, "plain loop resumed vs uninterrupted")
+
+
+def test_unscale_clip_step_keeps_working_with_the_fused_unscale():
+    """``scaler.unscale_(opt)``, clip, ``scaler.step(opt)`` (what accelerate, so the HF Trainer,
+    does under fp16) with the fused unscale on: torch's GradScaler then hands the optimizer no
+    ``grad_scale`` (the grads are already unscaled), and the result equals ``fused_unscale=False``."""
+    runs = [_plain_loop(functools.partial(_opt, fused_unscale=fused), 2, autocast=torch.float16,
+                        clip=0.5, scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 12))
+            for fused in (True, False)]
+    assert min(runs[0][2]) > 0.5  # clipped
+    _assert_same(runs[0][0], runs[0][1], runs[1][0], runs[1][1], "fused unscale after unscale_")
