@@ -2,7 +2,8 @@
 # Installs what the demo (default) or the tests (--test) need, then this package with its C++ kernels.
 #
 #   bash tools/bootstrap.sh          # torch (if missing) + the package + scikit-learn, matplotlib
-#   bash tools/bootstrap.sh --test   # ... + pytest, triton (pinned, for the Triton backend's tests)
+#   bash tools/bootstrap.sh --test   # ... + pytest, triton (pinned, for the Triton backend's tests),
+#                                    #     lightning, transformers, accelerate (the recipe tests)
 #
 # An installed torch is kept as it is. Where none is present a CPU build of torch is installed:
 # first as the local wheel `torch==2.13.0+cpu` from pip's configured sources (wheelhouses),
@@ -28,6 +29,9 @@ build_deps+=(scikit-learn matplotlib)
 if [[ "${1:-}" == "--test" ]]; then
     # expecttest: torch.testing._internal (torch's optimizer error inputs, tests/test_torch_conformance.py)
     build_deps+=(pytest expecttest)
+    # the frameworks tests/test_frameworks.py runs the README's recipes in; pinned to versions
+    # tested with torch 2.13, whose torch requirement (>= 2.1) the installed torch meets
+    build_deps+=(lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0)
     # triton: the CUDA backend's kernels, tested on CPU (interpreter + PTX). An installed triton
     # (e.g. the one a CUDA torch pins) is kept as it is.
     "$PYTHON" -c "import triton" 2>/dev/null || build_deps+=("triton==${TRITON_VERSION:-3.6.0}")
