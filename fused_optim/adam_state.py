@@ -13,6 +13,13 @@ It implements the base class's state hooks for the op list forms
   None), initialised to the weights; ``master_param``, an fp32 copy, for fp16/bf16 params when
   ``group["master_weights"]``. Moments and EMA are fp32 with a master, else in the param's dtype
   (complex for complex params, which the base class runs as real views);
+* the EMA's storage dtype, ``group["ema_dtype"]`` (:func:`ema_storage_dtype`): ``torch.float32``
+  (the default) or ``None`` keep it in the state dtype above; ``torch.bfloat16`` keeps it in bf16
+  whatever the param dtype (fp32 params, fp16/bf16 params with fp32 masters or without masters;
+  not fp64 params, whose buckets compute in fp64). The update itself is unchanged and in fp32:
+  ``s = float(s); s = s + ema_w * (w' - s)``, stored rounded once to bf16 (round to nearest
+  even). A new EMA starts as the weights rounded once to bf16; an existing EMA of another dtype
+  (a changed ``ema_dtype``, a loaded state dict) is converted when the group is next planned;
 * group checks (betas, lr, eps, weight_decay, ema_decay and the EMA schedule options; unsupported
   torch flags), run when a group is added (a rejected group does not stay) and at every step
   before any bucket is updated, so a bad value raises before any tensor changes.
@@ -27,6 +34,24 @@ from multi_tensor import rules, schema, validation
 
 from . import ema_schedules
 from .base import LOW_PRECISION
+
+EMA_DTYPES = (None, torch.float32, schema.REDUCED_EMA_DTYPE)
+BF16_EMA_PARAM_DTYPES = LOW_PRECISION + (torch.float32,)  # params whose math is fp32
+
+
+def ema_storage_dtype(group: Dict[str, Any], state_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``state["ema"]`` is kept in: bf16 for ``ema_dtype=torch.bfloat16`` (the group
+    check admits it for fp16/bf16/fp32 params only), else the state dtype (fp32 with masters,
+    else the param's dtype)."""
+    return schema.REDUCED_EMA_DTYPE if group.get("ema_dtype") == schema.REDUCED_EMA_DTYPE \
+        else state_dtype
+
+
+def check_ema_dtype(owner: str, ema_dtype) -> None:
+    if not any(ema_dtype is d or ema_dtype == d for d in EMA_DTYPES):
+        raise ValueError(f"{owner}: ema_dtype must be torch.float32 (the EMA in the state dtype; "
+                         f"None means the same) or torch.bfloat16 (the EMA stored in bf16, "
+                         f"rounded to nearest even), got {ema_dtype!r}")
 
 # torch.optim flags the fused optimizers accept but cannot honour when True.
 UNSUPPORTED_FLAGS = {
@@ -101,10 +126,19 @@ class AdamStateMixin:
         check_unsupported_flags(name, **{k: group[k] for k in UNSUPPORTED_FLAGS if k in group})
         if self._has_ema(group):  # the EMA schedule options (fused_optim.ema_schedules)
             ema_schedules.check_group(name, group)
+        check_ema_dtype(name, group.get("ema_dtype"))
+        if group.get("ema_dtype") == schema.REDUCED_EMA_DTYPE:
+            for i, p in enumerate(group.get("params", ())):
+                if isinstance(p, torch.Tensor) and p.dtype not in BF16_EMA_PARAM_DTYPES:
+                    raise ValueError(
+                        f"{name}: ema_dtype=torch.bfloat16 is for fp16/bf16/fp32 params, but "
+                        f"params[{i}] of the group is {p.dtype} (fp64 params compute in fp64 "
+                        f"and keep an fp64 EMA; complex params keep a complex one): put it in a "
+                        f"group with ema_dtype=torch.float32")
 
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
         return (self._has_ema(group), bool(group.get("master_weights", False)),
-                ema_schedules.update_every(group))
+                ema_schedules.update_every(group), group.get("ema_dtype"))
 
     def _ema_skipping(self, group: Dict[str, Any], state_lists) -> Optional[tuple]:
         """With ``ema_update_every = k > 1``: the no-EMA op on ``[params, m, v(, masters)]``."""
@@ -163,15 +197,16 @@ class AdamStateMixin:
         keys = ("exp_avg", "exp_avg_sq", "ema") if self._has_ema(group) else ("exp_avg", "exp_avg_sq")
         for key in keys:
             value = state.get(key)
+            dtype = ema_storage_dtype(group, state_dtype) if key == "ema" else state_dtype
             if value is None:
                 if key == "ema":
                     weights = state["master_param"] if use_master else p.detach()
-                    state[key] = weights.to(dtype=state_dtype, copy=True)
+                    state[key] = weights.to(dtype=dtype, copy=True)
                 else:
-                    state[key] = torch.zeros_like(p, dtype=state_dtype,
+                    state[key] = torch.zeros_like(p, dtype=dtype,
                                                   memory_format=torch.preserve_format)
-            elif value.dtype != state_dtype:
-                state[key] = value.to(dtype=state_dtype)
+            elif value.dtype != dtype:
+                state[key] = value.to(dtype=dtype)
 
     def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> List[List[torch.Tensor]]:
         states = [self.state[p] for p in params]

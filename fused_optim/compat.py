@@ -46,7 +46,8 @@ TORCH_ONLY_GROUP_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "
                          "decoupled_weight_decay")
 # Param-group options of the fused optimizers that torch's optimizers do not have.
 FUSED_GROUP_KEYS = ("ema_decay", "ema_schedule", "ema_start_step", "ema_inv_gamma", "ema_power",
-                    "ema_min_decay", "adam_w_mode", "bias_correction", "master_weights")
+                    "ema_min_decay", "ema_dtype", "adam_w_mode", "bias_correction",
+                    "master_weights")
 # Per-param state torch's Adam / AdamW / RAdam keep (without amsgrad).
 TORCH_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")

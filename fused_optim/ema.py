@@ -495,7 +495,7 @@ class EmaAccessMixin:
 
         ``None`` copies them into the optimizer's own params. A target that is one of the
         optimizer's own params then *becomes* the EMA weights: its fp32 master (if it has one) is
-        set to the fp32 EMA too, so a later ``step()`` continues from the EMA weights, for fp16/bf16
+        set to the EMA too (exactly: a bf16 EMA, ``ema_dtype=torch.bfloat16``, widens exactly), so a later ``step()`` continues from the EMA weights, for fp16/bf16
         params with masters as for fp32 ones (MindSpeed's ``copy_to`` semantics). Moments and the
         EMA are untouched. Use :meth:`store` first and :meth:`restore` after to get the training
         weights (and masters) back exactly.

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import torch
+
 from multi_tensor import multi_tensor_applier, rules
 
 from .adam_state import AdamStateMixin
@@ -33,6 +35,10 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
             kept (initialised to the weights) and updated in the same op, and the EMA access API
             (``swap_ema_weights``, ``copy_ema_to``, ``ema_state_dict``, EMA schedules) applies.
             Per param group: groups may differ.
+        ema_dtype: the EMA's storage: ``torch.float32`` (default; ``None`` is the same) keeps it
+            in the state dtype (fp32 with masters or fp32 params, else the param's dtype);
+            ``torch.bfloat16`` keeps it in bf16 for fp16/bf16/fp32 params, updated in fp32 and
+            rounded once to nearest even per step (see ``FusedEmaAdamW``'s ``ema_dtype``).
         master_weights: fp16/bf16 params keep an fp32 ``master_param``; moments and EMA are fp32
             and the param receives the master rounded once per step. ``False``: state in the
             param's dtype.
@@ -58,13 +64,15 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0, decoupled_weight_decay: bool = False,
-                 *, ema_decay: Optional[float] = None, master_weights: bool = True,
+                 *, ema_decay: Optional[float] = None,
+                 ema_dtype: Optional[torch.dtype] = torch.float32, master_weights: bool = True,
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
                  fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay, ema_decay=ema_decay,
+                        ema_dtype=ema_dtype,
                         master_weights=master_weights, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable)
         self._check_group(defaults)

@@ -55,8 +55,9 @@ def multi_tensor_fused_ema_adamw(chunk_size: int, noop_flag: torch.Tensor, tenso
 
     ``tensor_lists`` is ``[grads, params, exp_avgs, exp_avg_sqs, emas]`` (one float dtype) or
     ``[grads, params, exp_avgs, exp_avg_sqs, emas, masters]`` (fp16/bf16 params, fp32 state and
-    masters). The seed operator's update (SPEC section 2) in :mod:`multi_tensor.rules`' order;
-    ``grad_scale``: grads are unscaled by it; ``maximize``: the grad is negated.
+    masters). ``emas`` may instead be bf16 (a bf16 EMA: loaded exactly, updated in fp32, rounded
+    once to nearest even) unless the params are fp64. The seed operator's update (SPEC section 2)
+    in :mod:`multi_tensor.rules`' order; ``grad_scale``: grads are unscaled by it; ``maximize``: the grad is negated.
     ``noop_flag`` nonzero: nothing changes. ``check_finite``: if any grad is inf/NaN, set
     ``noop_flag`` and change nothing.
     """

@@ -12,6 +12,9 @@ fp16/bf16 params. Their dtype rules:
 * params: fp16, bf16, fp32 or fp64; all of one list share one dtype;
 * without masters, every state list has the params' dtype; with masters (fp16/bf16/fp32
   params, not fp64) state and masters are fp32;
+* the one exception: ``emas`` may be bf16 whatever the other state lists are, when the math is
+  fp32 (params fp16/bf16/fp32; not fp64, whose buckets compute in fp64). The EMA is then loaded
+  exactly into fp32, updated in fp32 and rounded once to bf16 (round to nearest even) on store;
 * grads: fp16, bf16 or fp32 (fp64 for fp64 params).
 """
 from __future__ import annotations
@@ -25,6 +28,8 @@ from . import rules, validation
 from .backends import registry
 
 ADAM_LISTS = ("grads", "params", "exp_avgs", "exp_avg_sqs")
+# The EMA storage dtype an fp32-math bucket may keep besides its state dtype.
+REDUCED_EMA_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -135,10 +140,20 @@ def _check_adam_dtypes(op: str, tensor_lists, form: ListForm) -> None:
     state_dtype = torch.float32 if form.has_master else param_dtype
     for li in range(2, len(names)):
         dtype = validation.check_list_dtype(op, names[li], tensor_lists[li], validation.PARAM_DTYPES)
-        if dtype != state_dtype:
-            raise TypeError(
-                f"{op}: {names[li]} are {dtype} but must be {state_dtype} "
-                + ("(optimizer state and masters are fp32 in the master-weights form)"
-                   if form.has_master else "(the same dtype as params)"))
+        if dtype == state_dtype:
+            continue
+        if names[li] == "emas":
+            if dtype == REDUCED_EMA_DTYPE and param_dtype != torch.float64:
+                continue
+            if param_dtype == torch.float64:
+                raise TypeError(f"{op}: emas are {dtype} but must be torch.float64: params are "
+                                f"float64, whose buckets compute in fp64 (a {REDUCED_EMA_DTYPE} "
+                                f"EMA is for fp16/bf16/fp32 params)")
+            raise TypeError(f"{op}: emas are {dtype} but must be {state_dtype} (the state dtype) "
+                            f"or {REDUCED_EMA_DTYPE}")
+        raise TypeError(
+            f"{op}: {names[li]} are {dtype} but must be {state_dtype} "
+            + ("(optimizer state and masters are fp32 in the master-weights form)"
+               if form.has_master else "(the same dtype as params)"))
     grad_allowed = (torch.float64,) if param_dtype == torch.float64 else validation.GRAD_DTYPES
     validation.check_list_dtype(op, "grads", tensor_lists[0], grad_allowed)

@@ -3,7 +3,8 @@
 Three tables, each declared once:
 
 * :data:`DTYPE_CASES`: the dtype combinations an Adam-family op accepts (multi_tensor/schema.py),
-  each with its list form (with or without fp32 masters);
+  each with its list form (with or without fp32 masters), and for the ops with an EMA a bf16
+  EMA beside state of another dtype (:func:`dtype_cases` gives an op's cases);
 * :data:`OP_INFOS`: one :class:`OpInfo` per Adam-family op of ``schema.OPS``: how to call its
   front end, its float64 oracle, and its hyperparameter switches (:class:`HyperCase`);
 * the backends: every name in ``multi_tensor.registered_backends()`` (plus ``native_cpu`` when it
@@ -37,17 +38,23 @@ EXPECTED_BACKENDS = ("reference", "native_cpu")
 
 @dataclass(frozen=True)
 class DtypeCase:
-    """Param and grad dtypes, and whether the bucket carries fp32 master weights."""
+    """Param and grad dtypes, whether the bucket carries fp32 master weights, and the EMA's
+    dtype when it is not the state dtype (a bf16 EMA; ops with an EMA only)."""
 
     name: str
     param: torch.dtype
     grad: torch.dtype
     master: bool
+    ema: Optional[torch.dtype] = None
 
     @property
     def state(self) -> torch.dtype:
-        """The dtype of exp_avgs, exp_avg_sqs, emas (and masters)."""
+        """The dtype of exp_avgs, exp_avg_sqs (and masters), and of emas unless ``ema``."""
         return F32 if self.master else self.param
+
+    @property
+    def ema_dtype(self) -> torch.dtype:
+        return self.ema or self.state
 
     @property
     def math(self) -> torch.dtype:
@@ -62,8 +69,16 @@ DTYPE_CASES: Tuple[DtypeCase, ...] = (
     DtypeCase("bf16_plain", BF16, BF16, False),
     DtypeCase("fp16_plain", F16, F16, False),
     DtypeCase("fp32_gbf16", F32, BF16, False),
+    DtypeCase("fp32_ema_bf16", F32, F32, False, ema=BF16),
+    DtypeCase("bf16_master_ema_bf16", BF16, BF16, True, ema=BF16),
+    DtypeCase("fp16_plain_ema_bf16", F16, F16, False, ema=BF16),
 )
 DTYPES: Dict[str, DtypeCase] = {d.name: d for d in DTYPE_CASES}
+
+
+def dtype_cases(op: "OpInfo") -> Tuple[DtypeCase, ...]:
+    """The dtype cases of ``op``: the EMA-dtype cases only for the ops that keep an EMA."""
+    return tuple(dc for dc in DTYPE_CASES if dc.ema is None or op.ema)
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,7 +331,7 @@ def make_lists(op: OpInfo, dc: DtypeCase, shapes=SHAPES, seed: int = 0,
     lists = [grads, params, [(rnd(s) * 0.1).to(state) for s in shapes],
              [(rnd(s).abs() * 0.01).to(state) for s in shapes]]
     if op.ema:
-        lists.append([(w + 0.01 * rnd(w.shape)).to(state) for w in weights])
+        lists.append([(w + 0.01 * rnd(w.shape)).to(dc.ema_dtype) for w in weights])
     if dc.master:
         lists.append(masters)
     return lists
@@ -368,7 +383,7 @@ def isa_sweep(backend: str) -> List[torch.Tensor]:
     with forced_backend(backend):
         for op in OP_INFOS:
             assert backend_for(op.name, "cpu").name == backend
-            for dc in DTYPE_CASES:
+            for dc in dtype_cases(op):
                 for k, h in enumerate(h for h in op.hyper_cases if h.name in ISA_SWITCHES):
                     lists = make_lists(op, dc, ISA_SHAPES, seed=k, grad_scale=h.grad_scale)
                     for step in h.steps:

@@ -45,7 +45,7 @@ ALL_BACKENDS = C.backend_names()
 # the backends the tests below run; the others are listed once, skipped with the reason, by
 # test_backend_runs_cpu_tensors
 BACKENDS = [name for name in ALL_BACKENDS if C.backend_skip_reason(name) is None]
-CASES = [(op, dc) for op in C.OP_INFOS for dc in C.DTYPE_CASES]
+CASES = [(op, dc) for op in C.OP_INFOS for dc in C.dtype_cases(op)]
 CASE_IDS = [f"{op.name}-{dc.name}" for op, dc in CASES]
 
 
@@ -105,7 +105,7 @@ def test_table_covers_every_adam_family_op_and_rectification():
     adam_family = {name for name, spec in schema.OPS.items() if spec.rule is not None}
     assert set(C.OPS) == adam_family, "every Adam-family op of schema.OPS needs an OpInfo"
     for op in C.OP_INFOS:
-        for dc in C.DTYPE_CASES:  # every dtype case is a form the op table accepts
+        for dc in C.dtype_cases(op):  # every dtype case is a form the op table accepts
             schema.check_lists(op.spec, C.make_lists(op, dc, shapes=((2,),)))
         switches = {h.name for h in op.hyper_cases}
         assert {"decoupled", "l2", "wd0"} <= switches
@@ -181,7 +181,8 @@ THREADS = (1, 2)
 BIG_SHAPES = ((40000,), (17,), (1,), (0,))
 CHUNK_CASES = [("fused_ema_adamw", "fp32"), ("fused_ema_adamw", "fp16_master_g32"),
                ("adam", "bf16_master"), ("adam", "fp32_gbf16"), ("radam", "fp16_plain"),
-               ("radam", "fp32"), ("radam_ema", "fp64"), ("radam_ema", "bf16_plain")]
+               ("radam", "fp32"), ("radam_ema", "fp64"), ("radam_ema", "bf16_plain"),
+               ("fused_ema_adamw", "fp32_ema_bf16"), ("radam_ema", "fp16_plain_ema_bf16")]
 
 
 @pytest.mark.parametrize("op_name,dtype_name", CHUNK_CASES,

@@ -78,6 +78,12 @@ CASES = {
     "fp16_no_masters": dict(dtype=F16, master_weights=False, weight_decay=0.01),
     "fp64": dict(dtype=F64),
     "no_bias_correction_maximize": dict(dtype=F32, bias_correction=False, maximize=True),
+    # a bf16 EMA beside fp32 / fp16 state: a bf16 flat EMA buffer on the torch path
+    "fp32_ema_bf16": dict(dtype=F32, ema_dtype=BF16, ema_decay=0.9),
+    "bf16_masters_ema_bf16": dict(dtype=BF16, master_weights=True, ema_dtype=BF16,
+                                  ema_decay=0.9),
+    "fp16_no_masters_ema_bf16": dict(dtype=F16, master_weights=False, ema_dtype=BF16,
+                                     ema_decay=0.9),
 }
 
 
@@ -88,6 +94,9 @@ def test_bitwise_equal_to_reference_over_many_steps(standin, case):
     pb, ob = train("reference", **kw)
     assert_same(pa, oa, pb, ob)
     assert all(b.stats["torch"] > 0 for b in buckets(oa))
+    if kw.get("ema_dtype") == BF16:  # the flat EMA buffer itself is bf16
+        assert all(oa.state[p]["ema"].dtype == BF16 for p in pa)
+        assert all(b.ema_list.flat.dtype == BF16 for b in buckets(oa))
 
 
 @pytest.mark.parametrize("opt_cls,kw", [
@@ -414,6 +423,7 @@ def test_cann_literal_hands_the_ema_to_the_operator():
     ("fp64", dict(dtype=F64)),
     ("grads wider than state", dict(dtype=BF16, grad_dtype=F32, master_weights=False)),
     ("grad scale on fp16 state", dict(dtype=F16, master_weights=False, scale=64.0)),
+    ("bf16 EMA beside fp32 state", dict(ema_dtype=BF16)),
 ])
 def test_cann_mode_falls_back_to_the_exact_path(name, kw):
     rec = Recorder()

@@ -50,7 +50,7 @@ from multi_tensor.backends import reference, registry  # noqa: E402
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 ADAM_OPS = ("fused_ema_adamw", "adam", "radam", "radam_ema")
-# name: (param dtype, grad dtype, fp32 masters)
+# name: (param dtype, grad dtype, fp32 masters[, EMA dtype when not the state dtype])
 DTYPES = {
     "fp32": (F32, F32, False),
     "fp64": (F64, F64, False),
@@ -61,6 +61,12 @@ DTYPES = {
     "fp16_plain": (F16, F16, False),
     "fp32_gbf16": (F32, BF16, False),
     "fp32_gfp16": (F32, F16, False),
+}
+# a bf16 EMA beside state of another dtype (ops with an EMA only)
+EMA_DTYPES = {
+    "fp32_ema_bf16": (F32, F32, False, BF16),
+    "bf16_master_ema_bf16": (BF16, BF16, True, BF16),
+    "fp16_plain_ema_bf16": (F16, F16, False, BF16),
 }
 # (0,) and (4, 0): empty rows; 3000: two whole 1024-blocks and a masked tail in a 2048 chunk
 SHAPES = ((1,), (15,), (0,), (4, 33), (2, 3, 5), (3000,), (4, 0), (1030,))
@@ -97,8 +103,9 @@ def _hyper(op: str, **kw) -> rules.AdamHyper:
 
 
 def make_lists(op: str, dtype: str, shapes=SHAPES, seed: int = 0, grad_scale=None):
-    p_dt, g_dt, master = DTYPES[dtype]
+    p_dt, g_dt, master, *ema_dt = {**DTYPES, **EMA_DTYPES}[dtype]
     s_dt = F32 if master else p_dt
+    e_dt = ema_dt[0] if ema_dt else s_dt
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(shape):
@@ -110,7 +117,7 @@ def make_lists(op: str, dtype: str, shapes=SHAPES, seed: int = 0, grad_scale=Non
              [(rnd(s) * 0.1).to(s_dt) for s in shapes],
              [(rnd(s).abs() * 0.01).to(s_dt) for s in shapes]]
     if schema.OPS[op].has_ema:
-        lists.append([(x + 0.01 * rnd(x.shape)).to(s_dt) for x in w])
+        lists.append([(x + 0.01 * rnd(x.shape)).to(e_dt) for x in w])
     if master:
         lists.append([x.to(F32) for x in w])
     return lists
@@ -181,7 +188,7 @@ def case(name: str):
 
 
 for _op in ADAM_OPS:
-    for _dt in DTYPES:
+    for _dt in list(DTYPES) + (list(EMA_DTYPES) if schema.OPS[_op].has_ema else []):
         case(f"adam-{_op}-{_dt}")(lambda op=_op, dt=_dt: compare_adam(op, dt))
     for _sw in SWITCHES:
         if _sw.startswith("no_bias") and schema.OPS[_op].rule == rules.RADAM:

@@ -17,10 +17,14 @@ using multi_tensor_rules::AdamScalars;
 
 // P: param storage, G: grad storage, M: math type (float, or double for fp64 buckets).
 // MASTER: the update runs on fp32 masters and the param receives the rounded master.
-template <typename P, typename G, typename M, bool MASTER, bool EMA>
+// EMA_BF16: the EMA is stored in bf16 (float math only): loaded exactly into M, rounded once to
+// nearest even on store; otherwise it is stored like m and v.
+template <typename P, typename G, typename M, bool MASTER, bool EMA, bool EMA_BF16 = false>
 struct AdamKernel {
   using V = Vectorized<M>;
-  using S = std::conditional_t<MASTER, float, P>;  // m, v, ema (and master) storage
+  using S = std::conditional_t<MASTER, float, P>;  // m, v (and master) storage
+  using E = std::conditional_t<EMA_BF16, c10::BFloat16, S>;  // ema storage
+  static_assert(!EMA_BF16 || std::is_same_v<M, float>, "a bf16 EMA is for float math");
   static constexpr int64_t B = block_size<M>();
 
   static inline void block(const AdamScalars<M>& c, const Row& r, int64_t i, int64_t n) {
@@ -29,17 +33,17 @@ struct AdamKernel {
     S* mp = static_cast<S*>(r.p[kExpAvg]) + i;
     S* vp = static_cast<S*>(r.p[kExpAvgSq]) + i;
     S* wp = MASTER ? static_cast<S*>(r.p[kMaster]) + i : reinterpret_cast<S*>(pp);
-    S* sp = EMA ? static_cast<S*>(r.p[kEma]) + i : nullptr;
+    E* sp = EMA ? static_cast<E*>(r.p[kEma]) + i : nullptr;
     V g[2], w[2], m[2], v[2], s[2];
     load_block<G, M>(gp, n, g[0], g[1]);
     load_block<S, M>(wp, n, w[0], w[1]);
     load_block<S, M>(mp, n, m[0], m[1]);
     load_block<S, M>(vp, n, v[0], v[1]);
-    if constexpr (EMA) load_block<S, M>(sp, n, s[0], s[1]);
+    if constexpr (EMA) load_block<E, M>(sp, n, s[0], s[1]);
     for (int h = 0; h < 2; ++h) multi_tensor_rules::adam_update<EMA>(c, g[h], w[h], m[h], v[h], s[h]);
     store_block<S, M>(mp, n, m[0], m[1]);
     store_block<S, M>(vp, n, v[0], v[1]);
-    if constexpr (EMA) store_block<S, M>(sp, n, s[0], s[1]);
+    if constexpr (EMA) store_block<E, M>(sp, n, s[0], s[1]);
     if constexpr (MASTER) store_block<S, M>(wp, n, w[0], w[1]);
     store_block<P, M>(pp, n, w[0], w[1]);
   }
@@ -58,31 +62,34 @@ struct AdamKernel {
   }
 };
 
-template <typename P, typename M, bool MASTER, bool EMA>
+template <typename P, typename M, bool MASTER, bool EMA, bool EMA_BF16>
 KernelFn for_grad(c10::ScalarType gt) {
   if constexpr (std::is_same_v<M, double>) {
     return &AdamKernel<double, double, double, false, EMA>::run;
   } else {
     switch (gt) {
-      case c10::kFloat: return &AdamKernel<P, float, float, MASTER, EMA>::run;
-      case c10::kHalf: return &AdamKernel<P, c10::Half, float, MASTER, EMA>::run;
-      default: return &AdamKernel<P, c10::BFloat16, float, MASTER, EMA>::run;
+      case c10::kFloat: return &AdamKernel<P, float, float, MASTER, EMA, EMA_BF16>::run;
+      case c10::kHalf: return &AdamKernel<P, c10::Half, float, MASTER, EMA, EMA_BF16>::run;
+      default: return &AdamKernel<P, c10::BFloat16, float, MASTER, EMA, EMA_BF16>::run;
     }
   }
 }
 
-template <bool EMA>
+// EMA_BF16: a bf16 EMA beside state of another dtype (a bf16 EMA of bf16 params without masters
+// is their plain path).
+template <bool EMA, bool EMA_BF16>
 KernelFn for_param(c10::ScalarType pt, c10::ScalarType gt, bool master) {
   switch (pt) {
-    case c10::kDouble: return for_grad<double, double, false, EMA>(gt);
+    case c10::kDouble: return for_grad<double, double, false, EMA, false>(gt);
     case c10::kFloat:
-      return master ? for_grad<float, float, true, EMA>(gt) : for_grad<float, float, false, EMA>(gt);
+      return master ? for_grad<float, float, true, EMA, EMA_BF16>(gt)
+                    : for_grad<float, float, false, EMA, EMA_BF16>(gt);
     case c10::kHalf:
-      return master ? for_grad<c10::Half, float, true, EMA>(gt)
-                    : for_grad<c10::Half, float, false, EMA>(gt);
+      return master ? for_grad<c10::Half, float, true, EMA, EMA_BF16>(gt)
+                    : for_grad<c10::Half, float, false, EMA, EMA_BF16>(gt);
     default:
-      return master ? for_grad<c10::BFloat16, float, true, EMA>(gt)
-                    : for_grad<c10::BFloat16, float, false, EMA>(gt);
+      return master ? for_grad<c10::BFloat16, float, true, EMA, EMA_BF16>(gt)
+                    : for_grad<c10::BFloat16, float, false, EMA, false>(gt);
   }
 }
 
@@ -156,6 +163,13 @@ AdamBucket::AdamBucket(py::handle state_lists, bool ema, int64_t chunk_size)
   const auto& params = state_[0];
   param_dtype_ = params.empty() ? c10::kFloat : params[0].scalar_type();
   state_dtype_ = master_ ? c10::kFloat : param_dtype_;
+  ema_dtype_ = ema_ && !params.empty() ? state_[3][0].scalar_type() : state_dtype_;
+  // The front end (multi_tensor/schema.py) admits only these; a kernel for anything else would
+  // read the EMA with the wrong element size.
+  TORCH_CHECK(ema_dtype_ == state_dtype_ ||
+                  (ema_dtype_ == c10::kBFloat16 && param_dtype_ != c10::kDouble),
+              "AdamBucket: the EMA must be ", state_dtype_, " or bf16 (fp16/bf16/fp32 params), got ",
+              ema_dtype_);
   slots_ = {kParam, kExpAvg, kExpAvgSq};
   if (ema_) slots_.push_back(kEma);
   if (master_) slots_.push_back(kMaster);
@@ -206,7 +220,8 @@ bool AdamBucket::bind(py::handle grads) {
     bool direct = is_direct(p, *g);
     for (size_t k = 1; k < state_.size(); ++k) {
       const at::Tensor& t = state_[k][i];
-      if (t.numel() != numel || t.scalar_type() != state_dtype_) return false;
+      if (t.numel() != numel || t.scalar_type() != (slots_[k] == kEma ? ema_dtype_ : state_dtype_))
+        return false;
       direct = direct && is_direct(p, t);
     }
     bound.push_back(*g);
@@ -257,8 +272,10 @@ void AdamBucket::run(const std::optional<at::Tensor>& noop_flag, py::handle scal
   } else {
     cf = round_scalars<float>(scalars, grad_scale);
   }
-  const KernelFn fn = ema_ ? for_param<true>(param_dtype_, grad_dtype_, master_)
-                           : for_param<false>(param_dtype_, grad_dtype_, master_);
+  const bool ema_bf16 = ema_ && ema_dtype_ != state_dtype_;  // the front end allows only bf16
+  const KernelFn fn = !ema_     ? for_param<false, false>(param_dtype_, grad_dtype_, master_)
+                      : ema_bf16 ? for_param<true, true>(param_dtype_, grad_dtype_, master_)
+                                 : for_param<true, false>(param_dtype_, grad_dtype_, master_);
   const void* c = fp64 ? static_cast<const void*>(&cd) : static_cast<const void*>(&cf);
   bool skipped = false;
   {

@@ -52,6 +52,7 @@ class AdamBucket {
   int64_t chunk_size_;
   c10::ScalarType param_dtype_ = c10::kFloat;
   c10::ScalarType state_dtype_ = c10::kFloat;
+  c10::ScalarType ema_dtype_ = c10::kFloat;  // the state dtype, or bf16 (a bf16 EMA)
   c10::ScalarType grad_dtype_ = c10::kFloat;
   std::vector<std::vector<at::Tensor>> state_;
   std::vector<Slot> slots_;  // the row slot of each state list

@@ -60,7 +60,9 @@ Numerics (the package's contract is bitwise equality with the reference backend)
 
 Where the op cannot serve, the same flat buffers run the torch path (the default's code) for
 that step: ``maximize``; the ``adam``, ``radam`` and ``radam_ema`` ops (no EMA in the op, or
-RAdam's un-rectified steps); fp64; grads whose dtype does not convert exactly into the
+RAdam's un-rectified steps); fp64; a bf16 EMA beside fp32 or fp16 state (``ema_dtype``: the op
+takes its five tensors in one dtype; the flat EMA buffer is bf16 and the torch path rounds it
+once per step, as the reference does); grads whose dtype does not convert exactly into the
 update's dtype (fp32 grads of bf16 params without masters); a grad scale with fp16/bf16 state
 (unscaled grads would be rounded to fp16/bf16); chips without the operator (CANN ships it for
 Atlas A2/A3 and Ascend 950 only: :data:`SUPPORTED_CHIP_PREFIXES`); an operator that fails to
@@ -279,17 +281,23 @@ class FlatAdamBucket:
         self._grad_dtypes = ((torch.float64,) if self.param_dtype == torch.float64
                              else (torch.float16, torch.bfloat16, torch.float32))
         self.shapes = [p.shape for p in params]
+        # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)
+        emas = state_lists[3] if self.ema else []
+        self.ema_dtype = emas[0].dtype if emas else self.work_dtype
+        dtypes = [self.work_dtype, self.param_dtype, self.ema_dtype]
+        list_dtypes = [self.work_dtype] * (len(state_lists) - 1)
+        if self.ema:
+            list_dtypes[2] = self.ema_dtype
 
         adopted = flat.FlatLayout.of_views(params) if params else None
-        self.layout = adopted or flat.FlatLayout.packed(
-            self.shapes, flat.align_elements([self.work_dtype, self.param_dtype]))
+        self.layout = adopted or flat.FlatLayout.packed(self.shapes, flat.align_elements(dtypes))
         # params that tile one buffer: that buffer (read and written in place / in one copy)
         self.param_region = (flat.alias(params, self.layout, self.param_dtype, self.device)
                              if adopted is not None else None)
         self._param_ptrs = ([p.data_ptr() for p in params] if self.param_region is not None
                             else None)
-        moments = [flat.FlatList.adopt(ts, self.layout, self.work_dtype, self.device,
-                                       repoint_ok=repoint) for ts in state_lists[1:]]
+        moments = [flat.FlatList.adopt(ts, self.layout, dt, self.device, repoint_ok=repoint)
+                   for ts, dt in zip(state_lists[1:], list_dtypes)]
         self.exp_avg, self.exp_avg_sq = moments[0], moments[1]
         self.ema_list = moments[2] if self.ema else None
         self.masters = moments[-1] if self.has_master else None
@@ -408,6 +416,9 @@ class FlatAdamBucket:
             reason = "maximize"
         elif self.work_dtype not in CANN_DTYPES:
             reason = f"{self.work_dtype} (the operator takes fp16, bf16, fp32)"
+        elif self.ema_dtype != self.work_dtype:
+            reason = (f"a {self.ema_dtype} EMA beside {self.work_dtype} state (the operator takes "
+                      f"its five tensors in one dtype)")
         elif grad_dtype != self.work_dtype:
             reason = f"{grad_dtype} grads do not convert exactly into {self.work_dtype}"
         elif grad_scale is not None and self.work_dtype != torch.float32:

@@ -136,10 +136,11 @@ def _sqrt(x, IS64: tl.constexpr):
 def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
                 w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
                 l2, decoupled, use_denom, maximize, inv_scale,
-                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, EMA: tl.constexpr,
-                MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, MATH: tl.constexpr,
-                IS64: tl.constexpr):
-    # multi_tensor/rules.py, line for line (csrc/include/adam_rule.h adam_update)
+                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
+                EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+                MATH: tl.constexpr, IS64: tl.constexpr):
+    # multi_tensor/rules.py, line for line (csrc/include/adam_rule.h adam_update). E_DT: the
+    # EMA's storage (S_DT, or bf16 beside fp32/fp16 state): loaded exactly, rounded once on store.
     g = _ld(g_base, g_d, offs, mask, G_DT, MATH)
     if MASTER:
         w = _ld(w_base, w_d, offs, mask, 0, MATH)
@@ -159,9 +160,9 @@ def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, 
     _st(m_base, m_d, offs, m, mask, S_DT)
     _st(v_base, v_d, offs, v, mask, S_DT)
     if EMA:
-        s = _ld(s_base, s_d, offs, mask, S_DT, MATH)
+        s = _ld(s_base, s_d, offs, mask, E_DT, MATH)
         s = s + ema_w * (wn - s)
-        _st(s_base, s_d, offs, s, mask, S_DT)
+        _st(s_base, s_d, offs, s, mask, E_DT)
     if MASTER:
         _st(w_base, w_d, offs, wn, mask, 0)
     _st(p_base, p_d, offs, wn, mask, P_DT)
@@ -170,7 +171,7 @@ def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, 
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
 def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base, w_base, scal,
                  noop, gscale, G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr,
-                 EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 E_DT: tl.constexpr, EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     IS64: tl.constexpr = P_DT == 3
     MATH: tl.constexpr = tl.float64 if P_DT == 3 else tl.float32
@@ -178,6 +179,7 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
     VG: tl.constexpr = 8 if G_DT == 1 or G_DT == 2 else (2 if G_DT == 3 else 4)
     VP: tl.constexpr = 8 if P_DT == 1 or P_DT == 2 else (2 if P_DT == 3 else 4)
     VS: tl.constexpr = 8 if S_DT == 1 or S_DT == 2 else (2 if S_DT == 3 else 4)
+    VE: tl.constexpr = 8 if E_DT == 1 or E_DT == 2 else (2 if E_DT == 3 else 4)
     pid = tl.program_id(0).to(tl.int64)
     n = n_chunks.to(tl.int64)
     g_d = tl.load(table + pid)
@@ -197,7 +199,7 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
         p_d = tl.multiple_of(p_d, VP)
         m_d = tl.multiple_of(m_d, VS)
         v_d = tl.multiple_of(v_d, VS)
-        s_d = tl.multiple_of(s_d, VS)
+        s_d = tl.multiple_of(s_d, VE)
         w_d = tl.multiple_of(w_d, 4)
         start = tl.multiple_of(start, 16)
     end = tl.minimum(start + chunk.to(tl.int64), numel)
@@ -230,14 +232,14 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
         _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
                     w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size,
                     ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                    G_DT, P_DT, S_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
         base += BLOCK
     if base < end:  # the tail: one masked block
         offs = base + tl.arange(0, BLOCK)
         _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
                     s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
                     step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                    G_DT, P_DT, S_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
@@ -561,6 +563,9 @@ class AdamBucket:
         self.device = params[0].device if params else torch.device("cpu")
         self.p_dt = DTYPE_CODE[params[0].dtype] if params else F32
         self.s_dt = F32 if self.master else self.p_dt
+        # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)
+        emas = self.state_lists[3] if self.ema else []
+        self.e_dt = DTYPE_CODE[emas[0].dtype] if emas else self.s_dt
         self.math = torch.float64 if self.p_dt == F64 else torch.float32
         self._grad_dtypes = ((torch.float64,) if self.p_dt == F64
                              else (torch.float16, torch.bfloat16, torch.float32))
@@ -765,8 +770,8 @@ class AdamBucket:
         w_base = b[-1] if self.master else p_base
         _launch(_adam_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
                 self.chunk, self._g_base, p_base, b[1], b[2], s_base, w_base, self._scal, flag,
-                gscale, G_DT=g_dt, P_DT=self.p_dt, S_DT=self.s_dt, EMA=self.ema,
-                MASTER=self.master, HAS_SCALE=grad_scale is not None,
+                gscale, G_DT=g_dt, P_DT=self.p_dt, S_DT=self.s_dt, E_DT=self.e_dt,
+                EMA=self.ema, MASTER=self.master, HAS_SCALE=grad_scale is not None,
                 ALIGNED=self._state_aligned and self._g_aligned, BLOCK=BLOCK)
         for st in self._staged:
             st.orig.copy_(st.copy)
@@ -886,32 +891,40 @@ def aot_variants():
     """(name, kernel, signature, constexprs): every kernel of this module, specialised as the
     backend launches it, for the ahead-of-time PTX check. Adam family: each (param, grad,
     masters) dtype path once, EMA / grad scale / ALIGNED both ways (all four combinations for
-    the fp32 and fp64 paths); scale: every (src, dst) dtype pair; l2norm: each input dtype and
+    the fp32 and fp64 paths), and a bf16 EMA beside fp32 and fp16 state (aligned or not); scale: every (src, dst) dtype pair; l2norm: each input dtype and
     both combine phases; the device step kernel with fp32 and fp64 scalars, lr float or tensor."""
     out = []
-    combos = [  # (param, grad, master)
-        (F32, F32, False), (F32, BF16, False), (F32, F16, False), (F16, F16, False),
-        (BF16, BF16, False), (BF16, BF16, True), (BF16, F32, True), (F16, F32, True),
-        (F16, F16, True), (F64, F64, False),
+    combos = [  # (param, grad, master, ema storage: None = the state dtype)
+        (F32, F32, False, None), (F32, BF16, False, None), (F32, F16, False, None),
+        (F16, F16, False, None), (BF16, BF16, False, None), (BF16, BF16, True, None),
+        (BF16, F32, True, None), (F16, F32, True, None), (F16, F16, True, None),
+        (F64, F64, False, None),
+        # a bf16 EMA beside fp32 state (with and without masters) and beside fp16 state
+        (F32, F32, False, BF16), (BF16, BF16, True, BF16), (F16, F16, False, BF16),
     ]
     # every dtype path once; EMA, grad scale and the ALIGNED specialisation each both ways
     switches = [(True, True, True), (False, False, False), (True, False, True),
                 (False, True, False)]
-    for k, (p, g, master) in enumerate(combos):
+    for k, (p, g, master, e) in enumerate(combos):
         s = F32 if master else p
-        full = not master and p == g and p in (F32, F64)  # the fp32 and fp64 paths: all four
-        for ema, has_scale, aligned in (switches if full else [switches[k % 4]]):
+        full = not master and p == g and p in (F32, F64) and e is None  # fp32, fp64: all four
+        if e is not None:  # a bf16 EMA: with the EMA, both alignments
+            variants = [(True, True, True), (True, False, False)]
+        else:
+            variants = switches if full else [switches[k % 4]]
+        e = s if e is None else e
+        for ema, has_scale, aligned in variants:
             name = (f"adam_p{p}_g{g}_{'master' if master else 'plain'}_"
-                    f"{'ema' if ema else 'noema'}_{'scale' if has_scale else 'noscale'}_"
+                    f"{f'ema{e}' if ema else 'noema'}_{'scale' if has_scale else 'noscale'}_"
                     f"{'aligned' if aligned else 'unaligned'}")
             math_ptr = "*fp64" if p == F64 else "*fp32"
             sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "g_base": _PTR[g],
                    "p_base": _PTR[p], "m_base": _PTR[s], "v_base": _PTR[s],
-                   "s_base": _PTR[s] if ema else _PTR[p],
+                   "s_base": _PTR[e] if ema else _PTR[p],
                    "w_base": "*fp32" if master else _PTR[p], "scal": math_ptr,
                    "noop": "*i32", "gscale": math_ptr}
-            cx = dict(G_DT=g, P_DT=p, S_DT=s, EMA=ema, MASTER=master, HAS_SCALE=has_scale,
-                      ALIGNED=aligned, BLOCK=BLOCK)
+            cx = dict(G_DT=g, P_DT=p, S_DT=s, E_DT=e if ema else s, EMA=ema, MASTER=master,
+                      HAS_SCALE=has_scale, ALIGNED=aligned, BLOCK=BLOCK)
             out.append((name, _adam_kernel, sig, cx))
     for g in (F32, F16, BF16, F64):
         sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "g_base": _PTR[g],
