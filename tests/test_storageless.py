@@ -84,9 +84,13 @@ def test_forced_native_rejects_dtensor_with_type_error_and_changes_nothing(mesh)
 
 
 @pytest.mark.skipif(not NATIVE, reason="native CPU backend not built")
-def test_optimizer_with_dtensor_params_never_reaches_native(mesh):
-    """A sharded param (what FSDP2 hands the optimizer) steps on the reference, exactly like a
-    plain one on the native kernel; with only native allowed, a clear TypeError instead of a crash."""
+def test_optimizer_runs_dtensor_params_on_their_local_shards_natively(mesh):
+    """A sharded param (what FSDP2 hands the optimizer) steps on the native kernel through its
+    local shard, exactly like a plain one; its state stays a DTensor sharded alike. A plain grad
+    for a sharded param is rejected naming it, before anything changes."""
+    from multi_tensor.backends import native_cpu
+    from torch.distributed.tensor import DTensor
+
     torch.manual_seed(0)
     values = torch.randn(6, 4)
     grad = torch.randn(6, 4)
@@ -94,20 +98,26 @@ def test_optimizer_with_dtensor_params_never_reaches_native(mesh):
     sharded = torch.nn.Parameter(_dtensor(mesh, values.clone()))
     opt_plain = FusedEmaAdamW([plain], lr=1e-2, ema_decay=0.9)
     opt_sharded = FusedEmaAdamW([sharded], lr=1e-2, ema_decay=0.9)
-    for _ in range(3):
-        plain.grad = grad.clone()
-        sharded.grad = _dtensor(mesh, grad.clone())
-        opt_plain.step()
-        opt_sharded.step()
+    with forced_backend("native_cpu"):
+        for _ in range(3):
+            plain.grad = grad.clone()
+            sharded.grad = _dtensor(mesh, grad.clone())
+            opt_plain.step()
+            opt_sharded.step()
     assert_bitwise_equal(sharded.to_local(), plain.detach(), "sharded param")
-    assert_bitwise_equal(opt_sharded.state[sharded]["ema"].to_local(), opt_plain.state[plain]["ema"],
-                         "sharded EMA")
+    for key in ("ema", "exp_avg", "exp_avg_sq"):
+        state = opt_sharded.state[sharded][key]
+        assert isinstance(state, DTensor) and state.placements == sharded.placements
+        assert_bitwise_equal(state.to_local(), opt_plain.state[plain][key], key)
+    bucket = opt_sharded._plans[id(opt_sharded.param_groups[0])].buckets[0]
+    assert isinstance(bucket.prepared, native_cpu.loaded_module.AdamBucket)
 
     other = torch.nn.Parameter(_dtensor(mesh, values.clone()))
-    other.grad = _dtensor(mesh, grad.clone())
+    other.grad = grad.clone()
     opt = FusedEmaAdamW([other], lr=1e-2)
-    with forced_backend("native_cpu"), pytest.raises(TypeError, match="no real storage"):
+    with pytest.raises(TypeError, match=r"grads tensor of param 0 is a plain tensor"):
         opt.step()
+    assert torch.equal(other.to_local(), values)
 
 
 def test_meta_tensors_are_never_handed_to_native():
