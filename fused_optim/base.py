@@ -31,6 +31,22 @@ Subclasses define:
 
 Complex params (``_supports_complex``) run as ``torch.view_as_real`` views of the param, its
 grad and its state, as ``torch.optim`` does; the state itself stays complex.
+
+Sharded params (DTensor, as FSDP2's ``fully_shard`` makes them) keep DTensor state in
+``optimizer.state`` (``zeros_like``/``clone`` of a param are sharded alike), and their buckets
+run on the local shards: the bucket key includes the device mesh and placements, the params'
+and state's local tensors are bound when the bucket is built and the grads' in ``bind``, so the
+native kernels run them (uneven and empty shards included; the update is elementwise, so the
+bits are those of the full tensors). ``max_grad_norm`` sums the squared local norms over the
+ranks holding the shards (an all-reduce per sharded bucket). A bucket is rebuilt when FSDP2
+gives a param a new local tensor.
+
+``init_state()`` creates the state without stepping. ``torch.distributed.checkpoint``'s
+``get/set_optimizer_state_dict`` initialise an optimizer without state by calling ``step()``
+with every lr 0 and zero grads; a first ``step()`` that sees exactly that (no state, every lr
+zero, every param that requires grad has a grad, all of them zero over all shards) runs
+``init_state()`` instead of an update, so no step is counted and no EMA moves. Only a first
+step can be such a call, so later steps pay nothing for the check.
 """
 from __future__ import annotations
 
