@@ -527,7 +527,10 @@ class EmaAccessMixin:
         weights (and masters) back exactly.
 
         Sharded params (FSDP2): a plain (unsharded) target module gets the full EMA, gathered
-        (a collective: call it on every rank); a sharded target gets the shards.
+        (a collective: call it on every rank); a sharded target gets the shards. Copying into
+        the optimizer's own sharded params (``None``) writes the shards: if a forward without
+        backward ran since the last backward, FSDP2 still holds the root's gathered params, so
+        call ``model.reshard()`` before the next forward.
 
         With a buffer EMA (:meth:`register_ema_buffers`), ``None`` also copies it into the
         registered module's buffers and a module target gets it in its buffers of the same names
