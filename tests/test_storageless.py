@@ -126,3 +126,30 @@ def test_meta_tensors_are_never_handed_to_native():
     multi_tensor_fused_ema_adamw(2048, torch.zeros(1, dtype=torch.int32), lists, 1e-2, 0.99, 0.9,
                                  0.999, 1e-8, 1, 1, True, 0.0)
     assert lists[1][0].is_meta
+
+
+@pytest.mark.skipif(not NATIVE, reason="native CPU backend not built")
+def test_bucket_key_separates_placements_and_plain_tensors(mesh):
+    """Same device and dtype, but Shard(0), Replicate() and plain params: three buckets, each
+    run natively, each matching a plain run bitwise."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(1)
+    values = [torch.randn(4, 3) for _ in range(3)]
+    grads = [torch.randn(4, 3) for _ in range(3)]
+    placements = [[Shard(0)], [Replicate()], None]
+    params = [torch.nn.Parameter(v.clone() if pl is None else distribute_tensor(v.clone(), mesh, pl))
+              for v, pl in zip(values, placements)]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    opt, ref = FusedEmaAdamW(params, lr=1e-2), FusedEmaAdamW(plain, lr=1e-2)
+    for _ in range(2):
+        for p, q, g, pl in zip(params, plain, grads, placements):
+            p.grad = g.clone() if pl is None else distribute_tensor(g.clone(), mesh, pl)
+            q.grad = g.clone()
+        opt.step()
+        ref.step()
+    buckets = opt._plans[id(opt.param_groups[0])].buckets
+    assert [b.rows for b in buckets] == [[0], [1], [2]]
+    for p, q in zip(params, plain):
+        local = p.to_local() if p is not params[2] else p
+        assert_bitwise_equal(local.detach(), q.detach(), "param")
