@@ -31,6 +31,22 @@ Subclasses define:
 
 Complex params (``_supports_complex``) run as ``torch.view_as_real`` views of the param, its
 grad and its state, as ``torch.optim`` does; the state itself stays complex.
+
+Sharded params (DTensor, as FSDP2's ``fully_shard`` makes them) keep DTensor state in
+``optimizer.state`` (``zeros_like``/``clone`` of a param are sharded alike), and their buckets
+run on the local shards: the bucket key includes the device mesh and placements, the params'
+and state's local tensors are bound when the bucket is built and the grads' in ``bind``, so the
+native kernels run them (uneven and empty shards included; the update is elementwise, so the
+bits are those of the full tensors). ``max_grad_norm`` sums the squared local norms over the
+ranks holding the shards (an all-reduce per sharded bucket). A bucket is rebuilt when FSDP2
+gives a param a new local tensor.
+
+``init_state()`` creates the state without stepping. ``torch.distributed.checkpoint``'s
+``get/set_optimizer_state_dict`` initialise an optimizer without state by calling ``step()``
+with every lr 0 and zero grads; a first ``step()`` that sees exactly that (no state, every lr
+zero, every param that requires grad has a grad, all of them zero over all shards) runs
+``init_state()`` instead of an update, so no step is counted and no EMA moves. Only a first
+step can be such a call, so later steps pay nothing for the check.
 """
 from __future__ import annotations
 
@@ -40,7 +56,7 @@ import torch
 
 from multi_tensor import multi_tensor_applier, rules, schema, validation
 from multi_tensor.backends import registry
-from multi_tensor.bucketing import group_indices
+from multi_tensor.bucketing import group_indices, is_dtensor, local_shard, shard_layout
 
 LOW_PRECISION = validation.LOW_PRECISION
 COMPLEX_DTYPES = (torch.complex64, torch.complex128)
@@ -59,12 +75,16 @@ class _Bucket:
     """
 
     __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device", "complex",
-                 "device_steps", "grads", "ema_free", "every", "active")
+                 "device_steps", "grads", "ema_free", "every", "active", "layout",
+                 "local_params")
 
     def __init__(self, rows: Optional[List[int]], params, prepared, step: int, device_steps: bool,
-                 ema_free=None, every: int = 1):
+                 ema_free=None, every: int = 1, layout=None):
         self.rows = rows              # indices into the group's params; None: all, in order
         self.params = params
+        # DTensor buckets: (mesh, placements), and the local shards the kernel was bound to
+        self.layout = layout
+        self.local_params = None if layout is None else [local_shard(p) for p in params]
         self.prepared = prepared
         self.step = step
         self.device = params[0].device
@@ -80,11 +100,30 @@ class _Bucket:
     def bind(self, grads: List[Optional[torch.Tensor]]) -> bool:
         """Take this step's grads (real views for complex params) if they fit the bucket."""
         mine = grads if self.rows is None else [grads[i] for i in self.rows]
+        if self.layout is not None:
+            mine = self._local_grads(mine)
+            if mine is None:
+                return False
         if self.complex:
             mine = [None if g is None else _real_view(g) for g in mine]
         self.grads = mine
         self.active = self.prepared if self.step % self.every == 0 else self.ema_free
         return self.active.bind(mine)
+
+    def _local_grads(self, grads):
+        """The grads' local shards, or None when a grad is not sharded like its param, or when
+        the sharding owner (FSDP2 after ``model.to()`` or ``load_state_dict(assign=True)``)
+        gave a param a new local tensor: the plan is then rebuilt on the new shards."""
+        mesh, placements = self.layout
+        local = []
+        for p, held, g in zip(self.params, self.local_params, grads):
+            if g is None or not is_dtensor(g) or p._local_tensor is not held:
+                return None
+            spec = g._spec
+            if spec.placements != placements or (spec.mesh is not mesh and spec.mesh != mesh):
+                return None
+            local.append(g._local_tensor)
+        return local
 
     def run(self, hyper: rules.AdamHyper, noop_flag: torch.Tensor,
             skip_flag: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> None:
@@ -122,6 +161,65 @@ class _GroupPlan:
 
 def _present(grads) -> tuple:
     return tuple(i for i, g in enumerate(grads) if g is not None)
+
+
+def _local_lists(owner: str, spec: schema.OpSpec, layout, rows: List[int], lists):
+    """A DTensor bucket's lists as local shards; every tensor must be sharded like the params
+    (state made by ``zeros_like``/``clone`` of a param, or loaded by DCP, is)."""
+    form = spec.form(len(lists))
+    names = form.names if form is not None else tuple(f"list{i}" for i in range(len(lists)))
+    for tensors, list_name in zip(lists, names):
+        for i, t in zip(rows, tensors):
+            if shard_layout(t) != layout:
+                what = "a plain tensor" if not is_dtensor(t) else (
+                    f"a DTensor on {t.device_mesh} with placements {tuple(t.placements)}")
+                raise TypeError(
+                    f"{owner}: the {list_name} tensor of param {i} is {what}, but the param is a "
+                    f"DTensor on {layout[0]} with placements {layout[1]}; optimizer state and "
+                    f"grads of a sharded param must be sharded like it (load a sharded "
+                    f"checkpoint with torch.distributed.checkpoint's set_optimizer_state_dict)")
+    return [[local_shard(t) for t in tensors] for tensors in lists]
+
+
+def _sum_over_shards(square: torch.Tensor, layout) -> torch.Tensor:
+    """The sum of a local squared norm over the ranks holding the other shards: an all-reduce
+    over each mesh dimension the grads are sharded along (replicated dimensions hold copies),
+    as ``clip_grad_norm_`` reduces the norm of DTensor grads. Every rank runs the same buckets
+    in the same order, so the collectives match."""
+    import torch.distributed as dist
+
+    mesh, placements = layout
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            dist.all_reduce(square, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        elif not placement.is_replicate():
+            raise NotImplementedError(
+                f"max_grad_norm: grads with placement {placement} (only Shard and Replicate)")
+    return square
+
+
+def _is_zero(lr) -> bool:
+    return bool(lr == 0) if isinstance(lr, torch.Tensor) else lr == 0
+
+
+def _all_zero(grads: List[torch.Tensor]) -> bool:
+    """Whether every element of every grad is zero, over all shards of sharded grads: ranks
+    decide together (one all-reduce per device mesh), so no rank takes a step the others skip."""
+    nonzero = any(bool(local_shard(g).ne(0).any()) for g in grads)
+    meshes = []
+    for g in grads:
+        layout = shard_layout(g)
+        if layout is not None and all(m is not layout[0] for m in meshes):
+            meshes.append(layout[0])
+    if not meshes:
+        return not nonzero
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(nonzero)], dtype=torch.int32, device=grads[0].device)
+    for mesh in meshes:
+        for dim in range(mesh.ndim):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return not bool(flag.item())
 
 
 def _real_view(t: torch.Tensor) -> torch.Tensor:
@@ -238,6 +336,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._before_step()
+        if not self.state and self._is_state_init_call():
+            self.init_state()
+            return loss
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item() != 0):
             return loss  # before planning: a skipped first step creates no state either
@@ -254,6 +355,37 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         for (group, bucket), hyper in zip(work, hypers):
             bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale)
         return loss
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the state of every param that requires grad, without stepping.
+
+        ``step`` is 0, moments are zero, the EMA (and fp32 master) equals the param: exactly the
+        state a first ``step()`` starts from, so a step after it continues as if it had not
+        run. Entries that exist are kept. Sharded params get sharded state (``zeros_like`` /
+        ``clone`` of a DTensor are DTensors sharded alike).
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._init_state(p, group, self.state[p])
+
+    def _is_state_init_call(self) -> bool:
+        """Whether this first ``step()`` is a state-initialisation call, as
+        ``torch.distributed.checkpoint.state_dict`` makes one (``_init_optim_state``: on an
+        optimizer without state, every lr set to 0 and every param that requires grad given a
+        zero grad) rather than an update. Asked only while ``state`` is empty. A first step with
+        lr 0 and real grads (a linear warm-up from 0) is an update: it counts."""
+        if any(not _is_zero(group.get("lr", 0.0)) for group in self.param_groups):
+            return False
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grads.append(p.grad)
+                elif p.requires_grad:
+                    return False
+        return bool(grads) and _all_zero(grads)
 
     def _bound_buckets(self, group: Dict[str, Any]) -> List[_Bucket]:
         """A group's buckets for this step: options checked (the plan depends on them), planned,
@@ -318,7 +450,10 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             # must stay clear
             flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
             total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
-            squares.append(total.to(device=work[0][1].device, dtype=torch.float64).square())
+            square = total.to(dtype=torch.float64).square()
+            if bucket.layout is not None:
+                square = _sum_over_shards(square, bucket.layout)
+            squares.append(square.to(device=work[0][1].device))
         return torch.stack(squares).sum().sqrt()
 
     def _ensure_checked(self, group: Dict[str, Any]) -> None:
@@ -368,38 +503,41 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 raise TypeError(f"{name}: param of dtype {params[i].dtype} has a grad of dtype "
                                 f"{g.dtype}; a complex param needs a complex grad")
         spec = self._op(group)
-        keys = [(params[i].device, params[i].dtype, grads[i].dtype, self._step_of(params[i]))
-                for i in present]
+        # a DTensor's (mesh, placements) is part of the key: a bucket runs on local shards cut alike
+        keys = [(params[i].device, params[i].dtype, grads[i].dtype, self._step_of(params[i]),
+                 shard_layout(params[i])) for i in present]
         checked = []
-        for rows in group_indices(keys).values():
+        for key, rows in group_indices(keys).items():
             rows = [present[k] for k in rows]
             bucket_params = [params[i] for i in rows]
             for p in bucket_params:
                 self._init_state(p, group, self.state[p])
-            state_lists = self._state_lists(bucket_params, group)
+            lists = [[grads[i] for i in rows]] + self._state_lists(bucket_params, group)
+            layout = key[-1]
+            if layout is not None:
+                lists = _local_lists(name, spec, layout, rows, lists)
             if bucket_params[0].is_complex():
-                state_lists = [[_real_view(t) for t in tensors] for tensors in state_lists]
-            bucket_grads = [_real_view(grads[i]) for i in rows]
-            variants = [(1, spec, state_lists)]
-            skipping = self._ema_skipping(group, state_lists)
+                lists = [[_real_view(t) for t in tensors] for tensors in lists]
+            variants = [(1, spec, lists[1:])]
+            skipping = self._ema_skipping(group, lists[1:])
             if skipping is not None:
                 variants.append(skipping)
             bound = []
-            for every, op, lists in variants:
-                form = schema.check_lists(op, [bucket_grads] + lists)
-                bound.append((every, op, lists,
-                              schema.backend_for_lists(op, [bucket_grads] + lists, form)))
-            checked.append((rows, bucket_params, bound))
+            for every, op, state_lists in variants:
+                form = schema.check_lists(op, lists[:1] + state_lists)
+                bound.append((every, op, state_lists,
+                              schema.backend_for_lists(op, lists[:1] + state_lists, form)))
+            checked.append((rows, bucket_params, bound, layout))
         buckets = []
-        for rows, bucket_params, bound in checked:
-            prepared = [backend.prepare_bucket(op.name, lists, self._chunk_size)
-                        for _, op, lists, backend in bound]
+        for rows, bucket_params, bound, layout in checked:
+            prepared = [backend.prepare_bucket(op.name, state_lists, self._chunk_size)
+                        for _, op, state_lists, backend in bound]
             all_rows = len(rows) == len(params) and rows == list(range(len(params)))
             device_steps = (hasattr(prepared[0], "run_device_step")
                             and not self._step_dependent(group))
             bucket = _Bucket(None if all_rows else rows, bucket_params, prepared[0],
                              self._step_of(bucket_params[0]), device_steps,
-                             ema_free=prepared[-1], every=bound[-1][0])
+                             ema_free=prepared[-1], every=bound[-1][0], layout=layout)
             for p in bucket_params:
                 self.state[p]["step"] = bucket.step_tensor
             buckets.append(bucket)

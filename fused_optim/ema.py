@@ -63,6 +63,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from multi_tensor.bucketing import is_dtensor
+
 from . import ema_schedules
 
 Params = Union[None, torch.nn.Module, Iterable[torch.Tensor]]
@@ -94,6 +96,18 @@ def _new_buffer_ema(buf: torch.Tensor) -> torch.Tensor:
     if buf.is_floating_point():
         return buf.detach().to(dtype=torch.promote_types(buf.dtype, torch.float32), copy=True)
     return buf.detach().clone()
+
+
+def _reshard(module: Optional[torch.nn.Module]) -> None:
+    """Release the gathered params of every FSDP2 module in ``module`` (FSDP2 gathers again from
+    the shards at the next forward); nothing for other modules."""
+    if module is None or not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 class EmaAccessMixin:
@@ -450,8 +464,8 @@ class EmaAccessMixin:
 
     # --- swap ---------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def swap_ema_weights(self, enabled: bool = True, *, ema_buffers: Optional[bool] = None
-                         ) -> Iterator[None]:
+    def swap_ema_weights(self, enabled: bool = True, *, ema_buffers: Optional[bool] = None,
+                         module: Optional[torch.nn.Module] = None) -> Iterator[None]:
         """Within the block the params hold their EMA weights (rounded to the param dtype).
 
         With a buffer EMA (:meth:`register_ema_buffers`) the registered module's buffers hold
@@ -460,6 +474,12 @@ class EmaAccessMixin:
         back exactly the value it had. Masters, moments and the EMA itself are untouched.
         ``enabled=False`` makes it a no-op, for ``with opt.swap_ema_weights(enabled=use_ema):``.
         ``step()`` inside the block raises.
+
+        Sharded models (FSDP2, DTensor params): the sharded params are swapped, and the model
+        must be given (``module=model``, or registered with :meth:`register_ema_buffers`):
+        FSDP2 keeps the root module's params gathered after a forward without backward, and a
+        gathered copy would hide the swap (inside the block, and again after it), so every
+        ``FSDPModule`` of it is resharded on entry and on exit (``FSDPModule.reshard()``).
         """
         if not enabled:
             yield
@@ -467,11 +487,18 @@ class EmaAccessMixin:
         if self._ema_swapped:
             raise RuntimeError("swap_ema_weights() is already active")
         what = f"{type(self).__name__}.swap_ema_weights"
-        module = self._buffer_module_for(what, None, ema_buffers)
-        buffers = self._buffer_targets(what, module) if module is not None else []
+        buffer_module = self._buffer_module_for(what, None, ema_buffers)
+        buffers = self._buffer_targets(what, buffer_module) if buffer_module is not None else []
         pairs = self._ema_pairs()
         params = [p for p, _ in pairs]
+        sharded = module if module is not None else self._ema_buffer_module
+        if sharded is None and any(is_dtensor(p) for p in params):
+            raise ValueError(
+                f"{what}: the params are sharded (DTensor, e.g. FSDP2): pass the model, "
+                f"swap_ema_weights(module=model), so that its gathered params are released and "
+                f"gathered again from the swapped shards")
         with torch.no_grad():
+            _reshard(sharded)
             backup = self._snapshot(params, with_masters=False)
             buffer_backup = [buf.detach().clone() for _, buf in buffers]
             self._ema_swapped = True
@@ -486,6 +513,7 @@ class EmaAccessMixin:
                     p.copy_(value)
                 for (_, buf), value in zip(buffers, buffer_backup):
                     buf.copy_(value)
+                _reshard(sharded)
                 self._ema_swapped = False
 
     # --- copy ---------------------------------------------------------------------------------
@@ -499,6 +527,12 @@ class EmaAccessMixin:
         params with masters as for fp32 ones (MindSpeed's ``copy_to`` semantics). Moments and the
         EMA are untouched. Use :meth:`store` first and :meth:`restore` after to get the training
         weights (and masters) back exactly.
+
+        Sharded params (FSDP2): a plain (unsharded) target module gets the full EMA, gathered
+        (a collective: call it on every rank); a sharded target gets the shards. Copying into
+        the optimizer's own sharded params (``None``) writes the shards: if a forward without
+        backward ran since the last backward, FSDP2 still holds the root's gathered params, so
+        call ``model.reshard()`` before the next forward.
 
         With a buffer EMA (:meth:`register_ema_buffers`), ``None`` also copies it into the
         registered module's buffers and a module target gets it in its buffers of the same names
@@ -523,7 +557,10 @@ class EmaAccessMixin:
         for target, p in zip(targets, own):
             ema = self._ema_of(p)
             if target is not ema:
-                target.copy_(ema)
+                # a plain target of a sharded EMA (FSDP2) gets the full tensor (a collective:
+                # every rank copies); a sharded target takes the shards
+                target.copy_(ema.full_tensor() if is_dtensor(ema) and not is_dtensor(target)
+                             else ema)
             master = self._master_of(p)
             if target is p and master is not None and ema is not p:
                 master.copy_(ema)
@@ -599,7 +636,8 @@ class EmaAccessMixin:
     # --- export -------------------------------------------------------------------------------
     @torch.no_grad()
     def ema_state_dict(self, module: torch.nn.Module, dtype: Optional[torch.dtype] = None, *,
-                       ema_buffers: Optional[bool] = None) -> Dict[str, torch.Tensor]:
+                       ema_buffers: Optional[bool] = None,
+                       full_state_dict: bool = False) -> Dict[str, torch.Tensor]:
         """``module.state_dict()`` with every optimized param replaced by a copy of its EMA.
 
         Values are in the param's dtype unless ``dtype`` is given (e.g. ``torch.float32`` to export
@@ -609,6 +647,13 @@ class EmaAccessMixin:
         copy (others); ``ema_buffers=True`` raises if no buffer EMA is kept, ``False`` leaves the
         buffers out of it. Other buffers and params this optimizer does not hold are copied as
         they are.
+
+        Sharded models (FSDP2: DTensor params): by default the values stay DTensors sharded like
+        the params (each rank holds its shards: save them with ``torch.distributed.checkpoint``).
+        ``full_state_dict=True`` gathers every DTensor into a full plain tensor **on every rank**
+        (a collective: every rank must call it, in the same order), a dict that
+        ``torch.save`` on one rank writes as a plain model checkpoint and a plain (unsharded)
+        model loads with ``load_state_dict``.
         """
         what = f"{type(self).__name__}.ema_state_dict"
         emas = {id(p): ema for p, ema in self._ema_pairs()}
@@ -627,4 +672,6 @@ class EmaAccessMixin:
                 source = buffer_emas[id(value)]
             target_dtype = dtype if (dtype is not None and value.is_floating_point()) else value.dtype
             result[name] = source.detach().to(dtype=target_dtype, copy=True)
+            if full_state_dict and is_dtensor(result[name]):
+                result[name] = result[name].full_tensor()
         return result

@@ -84,9 +84,13 @@ def test_forced_native_rejects_dtensor_with_type_error_and_changes_nothing(mesh)
 
 
 @pytest.mark.skipif(not NATIVE, reason="native CPU backend not built")
-def test_optimizer_with_dtensor_params_never_reaches_native(mesh):
-    """A sharded param (what FSDP2 hands the optimizer) steps on the reference, exactly like a
-    plain one on the native kernel; with only native allowed, a clear TypeError instead of a crash."""
+def test_optimizer_runs_dtensor_params_on_their_local_shards_natively(mesh):
+    """A sharded param (what FSDP2 hands the optimizer) steps on the native kernel through its
+    local shard, exactly like a plain one; its state stays a DTensor sharded alike. A plain grad
+    for a sharded param is rejected naming it, before anything changes."""
+    from multi_tensor.backends import native_cpu
+    from torch.distributed.tensor import DTensor
+
     torch.manual_seed(0)
     values = torch.randn(6, 4)
     grad = torch.randn(6, 4)
@@ -94,20 +98,26 @@ def test_optimizer_with_dtensor_params_never_reaches_native(mesh):
     sharded = torch.nn.Parameter(_dtensor(mesh, values.clone()))
     opt_plain = FusedEmaAdamW([plain], lr=1e-2, ema_decay=0.9)
     opt_sharded = FusedEmaAdamW([sharded], lr=1e-2, ema_decay=0.9)
-    for _ in range(3):
-        plain.grad = grad.clone()
-        sharded.grad = _dtensor(mesh, grad.clone())
-        opt_plain.step()
-        opt_sharded.step()
+    with forced_backend("native_cpu"):
+        for _ in range(3):
+            plain.grad = grad.clone()
+            sharded.grad = _dtensor(mesh, grad.clone())
+            opt_plain.step()
+            opt_sharded.step()
     assert_bitwise_equal(sharded.to_local(), plain.detach(), "sharded param")
-    assert_bitwise_equal(opt_sharded.state[sharded]["ema"].to_local(), opt_plain.state[plain]["ema"],
-                         "sharded EMA")
+    for key in ("ema", "exp_avg", "exp_avg_sq"):
+        state = opt_sharded.state[sharded][key]
+        assert isinstance(state, DTensor) and state.placements == sharded.placements
+        assert_bitwise_equal(state.to_local(), opt_plain.state[plain][key], key)
+    bucket = opt_sharded._plans[id(opt_sharded.param_groups[0])].buckets[0]
+    assert isinstance(bucket.prepared, native_cpu.loaded_module.AdamBucket)
 
     other = torch.nn.Parameter(_dtensor(mesh, values.clone()))
-    other.grad = _dtensor(mesh, grad.clone())
+    other.grad = grad.clone()
     opt = FusedEmaAdamW([other], lr=1e-2)
-    with forced_backend("native_cpu"), pytest.raises(TypeError, match="no real storage"):
+    with pytest.raises(TypeError, match=r"grads tensor of param 0 is a plain tensor"):
         opt.step()
+    assert torch.equal(other.to_local(), values)
 
 
 def test_meta_tensors_are_never_handed_to_native():
@@ -116,3 +126,30 @@ def test_meta_tensors_are_never_handed_to_native():
     multi_tensor_fused_ema_adamw(2048, torch.zeros(1, dtype=torch.int32), lists, 1e-2, 0.99, 0.9,
                                  0.999, 1e-8, 1, 1, True, 0.0)
     assert lists[1][0].is_meta
+
+
+@pytest.mark.skipif(not NATIVE, reason="native CPU backend not built")
+def test_bucket_key_separates_placements_and_plain_tensors(mesh):
+    """Same device and dtype, but Shard(0), Replicate() and plain params: three buckets, each
+    run natively, each matching a plain run bitwise."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(1)
+    values = [torch.randn(4, 3) for _ in range(3)]
+    grads = [torch.randn(4, 3) for _ in range(3)]
+    placements = [[Shard(0)], [Replicate()], None]
+    params = [torch.nn.Parameter(v.clone() if pl is None else distribute_tensor(v.clone(), mesh, pl))
+              for v, pl in zip(values, placements)]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    opt, ref = FusedEmaAdamW(params, lr=1e-2), FusedEmaAdamW(plain, lr=1e-2)
+    for _ in range(2):
+        for p, q, g, pl in zip(params, plain, grads, placements):
+            p.grad = g.clone() if pl is None else distribute_tensor(g.clone(), mesh, pl)
+            q.grad = g.clone()
+        opt.step()
+        ref.step()
+    buckets = opt._plans[id(opt.param_groups[0])].buckets
+    assert [b.rows for b in buckets] == [[0], [1], [2]]
+    for p, q in zip(params, plain):
+        local = p.to_local() if p is not params[2] else p
+        assert_bitwise_equal(local.detach(), q.detach(), "param")
