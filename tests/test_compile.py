@@ -216,28 +216,58 @@ def test_compiled_model_with_eager_optimizer():
         assert torch.equal(compiled_model(x), ema_out)
 
 
+class BNNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+# (the feature's name in the fallback's message, optimizer options, model, optimizer setup)
 FALLBACKS = [
-    ("max_grad_norm", dict(max_grad_norm=0.01)),
-    ("ema_schedule", dict(ema_schedule=lambda n: 0.5)),
+    ("max_grad_norm", dict(max_grad_norm=0.01), Net, None),
+    ("ema_schedule", dict(ema_schedule=lambda n: 0.5), Net, None),
+    ("buffer EMA", {}, BNNet, lambda opt, model: opt.register_ema_buffers(model)),
 ]
 
 
-@pytest.mark.parametrize("feature,options", FALLBACKS, ids=[f for f, _ in FALLBACKS])
-def test_untraceable_features_fall_back_to_the_eager_step(feature, options):
-    eager_model, model = Net(), Net()
-    eager_opt = FusedEmaAdamW(eager_model.parameters(), lr=1e-2, **options)
-    opt = FusedEmaAdamW(model.parameters(), lr=1e-2, **options)
+@pytest.mark.parametrize("feature,options,net,setup", FALLBACKS, ids=[f[0] for f in FALLBACKS])
+def test_untraceable_features_fall_back_to_the_eager_step(feature, options, net, setup):
+    eager_model, model = net(), net()
+    eager_opt = FusedEmaAdamW(eager_model.parameters(), lr=1e-2, ema_decay=0.9, **options)
+    opt = FusedEmaAdamW(model.parameters(), lr=1e-2, ema_decay=0.9, **options)
+    if setup is not None:
+        setup(eager_opt, eager_model)
+        setup(opt, model)
+    backward(eager_model, eager_opt, 1)   # both models run a forward (BatchNorm statistics)
     backward(model, opt, 1)
     with pytest.raises(Exception, match=feature):
         torch.compile(opt.step, backend="eager", fullgraph=True)()
     assert int(opt.state[model.a.weight].get("step", 0)) == 0  # nothing ran
     compiled = torch.compile(opt.step, backend="eager")  # one graph break, eager step
-    for t in range(1, 3):
+    for t in range(1, 4):
         backward(eager_model, eager_opt, t)
         eager_opt.step()
         backward(model, opt, t)
         compiled()
     assert_same(eager_opt, eager_model, opt, model)
+    for key, value in eager_opt.ema_buffers.items():
+        assert torch.equal(value, opt.ema_buffers[key]), key
+
+
+def test_step_inside_swap_ema_weights_raises():
+    model = Net()
+    opt = FusedEmaAdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(opt.step, backend="eager")
+    backward(model, opt, 1)
+    compiled()
+    before = model.a.weight.detach().clone()
+    with opt.swap_ema_weights():
+        with pytest.raises(RuntimeError, match="inside swap_ema_weights"):
+            compiled()
+    assert torch.equal(model.a.weight, before)
 
 
 def test_bad_option_raises_while_compiling():
