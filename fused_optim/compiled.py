@@ -36,7 +36,8 @@ import torch
 from multi_tensor import schema, validation
 from multi_tensor.bucketing import group_indices
 
-from . import custom_ops, ema_schedules
+from . import custom_ops  # noqa: F401  (registers torch.ops.fused_optim.adam_step_)
+from . import ema_schedules
 
 # Why a step cannot be traced (the key a fallback is chosen by) -> the message dynamo shows.
 UNSUPPORTED = {
@@ -185,5 +186,3 @@ def _own_step(state: Dict[str, Any], seen: set) -> torch.Tensor:
     seen.add(id(step))
     return step
 
-
-__all__ = ["step", "init_group", "UNSUPPORTED", "custom_ops"]
