@@ -58,6 +58,8 @@ from multi_tensor import multi_tensor_applier, rules, schema, validation
 from multi_tensor.backends import registry
 from multi_tensor.bucketing import group_indices, is_dtensor, local_shard, shard_layout
 
+from . import compiled
+
 LOW_PRECISION = validation.LOW_PRECISION
 COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
@@ -231,6 +233,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     _supports_complex = False  # complex64/complex128 params, run as real views
+    _init_group = compiled.init_group  # what dynamo runs eagerly when it compiles step()
 
     def __init__(self, params, defaults: Dict[str, Any], chunk_size: int = multi_tensor_applier.chunk_size,
                  fused_unscale: bool = True, max_grad_norm: Optional[float] = None):
@@ -335,6 +338,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():  # traced by torch.compile: fused_optim/compiled.py
+            compiled.step(self)
+            return loss
         self._before_step()
         if not self.state and self._is_state_init_call():
             self.init_state()

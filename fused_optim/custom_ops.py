@@ -1,0 +1,105 @@
+"""The Adam-family update as a torch custom op, for steps traced by ``torch.compile``.
+
+``torch.ops.fused_optim.adam_step_`` is a torch custom op (``torch.library``: a schema declaring
+which lists it mutates, a real implementation and a fake one), the way torch's own fused
+optimizers reach the compiler as opaque ops (``torch._fused_adam_``): dynamo and inductor see one
+node per bucket that mutates its inputs in place and returns nothing (its fake implementation),
+and at run time the node runs the very kernel an eager step runs.
+
+Arguments: ``op``, a name from :data:`multi_tensor.schema.OPS` (``fused_ema_adamw``, ``adam``,
+``radam``, ``radam_ema``); one bucket's lists, already checked against that op's table entry
+(``emas`` empty for ops without an EMA, ``masters`` empty without master weights); ``steps``, each
+param's ``state["step"]`` (float32 scalar tensors, none of them shared); the group's
+hyperparameters as Python scalars; the EMA schedule by name (a callable cannot be an op argument);
+GradScaler's ``grad_scale`` and ``found_inf``.
+
+The step number is a tensor in a traced step, so the per-step scalars cannot be folded into the
+graph. The op reads the steps (and ``found_inf``) when it runs and computes
+:func:`multi_tensor.rules.step_scalars` and the scheduled EMA decay in double from them, exactly as
+an eager step does, then calls the backend registered for the bucket's device: the same kernel,
+the same bits. Rows whose steps differ (a param that missed steps) run as one call per step
+value. Every step of a bucket then advances by one; with ``found_inf`` set nothing changes.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from multi_tensor import rules, schema
+from multi_tensor.backends import registry
+from multi_tensor.bucketing import group_indices
+
+from . import ema_schedules
+
+OP_NAME = "fused_optim::adam_step_"
+SCHEMA = (
+    "(str op, Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] emas, Tensor(e!)[] masters, Tensor(f!)[] steps, "
+    "float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, "
+    "bool decoupled, bool bias_correction, bool maximize, float? ema_decay, str ema_schedule, "
+    "int ema_start_step, float ema_inv_gamma, float ema_power, float ema_min_decay, "
+    "Tensor? grad_scale, Tensor? found_inf, int chunk_size) -> ()")
+_noop_flags: Dict[torch.device, torch.Tensor] = {}
+
+
+def _noop_flag(device: torch.device) -> torch.Tensor:
+    flag = _noop_flags.get(device)
+    if flag is None:
+        flag = _noop_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
+def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
+               exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor],
+               emas: List[torch.Tensor], masters: List[torch.Tensor], steps: List[torch.Tensor],
+               lr: float, lr_tensor: Optional[torch.Tensor], beta1: float, beta2: float,
+               eps: float, weight_decay: float, decoupled: bool, bias_correction: bool,
+               maximize: bool, ema_decay: Optional[float], ema_schedule: str,
+               ema_start_step: int, ema_inv_gamma: float, ema_power: float,
+               ema_min_decay: float, grad_scale: Optional[torch.Tensor],
+               found_inf: Optional[torch.Tensor], chunk_size: int) -> None:
+    """One bucket's update and step advance (see the module docstring)."""
+    if not params or (found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0)):
+        return
+    spec = schema.OPS[op]
+    lists = [grads, params, exp_avgs, exp_avg_sqs] + ([emas] if spec.has_ema else []) \
+        + ([masters] if masters else [])
+    device = params[0].device
+    backend = registry.backend_for(op, device)
+    scale = None if grad_scale is None else grad_scale.to(device)
+    lr_value = lr if lr_tensor is None else float(lr_tensor)
+    counts = torch.stack(steps).tolist()
+    by_step = ({int(counts[0]): None} if min(counts) == max(counts)  # the usual case
+               else group_indices(int(c) for c in counts))
+    for done, rows in by_step.items():
+        t = done + 1
+        decay = None if ema_decay is None else ema_schedules.ema_decay_at(
+            t, ema_decay, ema_schedule, ema_start_step, ema_inv_gamma, ema_power, ema_min_decay,
+            owner=op)
+        hyper = rules.AdamHyper(lr=lr_value, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=weight_decay, decoupled=decoupled,
+                                bias_correction=bias_correction, maximize=maximize,
+                                ema_decay=decay, rule=spec.rule)
+        rows_lists = lists if rows is None else [[ts[i] for i in rows] for ts in lists]
+        backend.ops[op](chunk_size, _noop_flag(device), rows_lists, rules.step_scalars(hyper, t),
+                        scale, False)
+    torch._foreach_add_(steps, 1.0)
+
+
+def _adam_step_fake(op, grads, params, exp_avgs, exp_avg_sqs, emas, masters, steps, lr,
+                    lr_tensor, beta1, beta2, eps, weight_decay, decoupled, bias_correction,
+                    maximize, ema_decay, ema_schedule, ema_start_step, ema_inv_gamma, ema_power,
+                    ema_min_decay, grad_scale, found_inf, chunk_size) -> None:
+    """In place: no outputs, nothing to allocate."""
+    return None
+
+
+# Defined with torch.library.define/impl rather than torch.library.custom_op: custom_op adds a
+# Python ADInplaceOrView kernel that bumps the version counter of every mutated tensor, a Python
+# loop over five tensors per param at every step; the eager step's kernels do not bump them either.
+# The op has no autograd formula (an optimizer step is not differentiated; torch's _fused_adam_
+# has none either).
+torch.library.define(OP_NAME, SCHEMA)
+torch.library.impl(OP_NAME, "CompositeExplicitAutograd", func=adam_step_)
+torch.library.register_fake(OP_NAME, _adam_step_fake)
