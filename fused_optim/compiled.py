@@ -83,12 +83,12 @@ def step(opt) -> None:
     found_inf = getattr(opt, "found_inf", None)
     for op, (s, e), (es, ee), (ms, me), li, hyper in buckets:
         lr, beta1, beta2, eps, wd, decoupled, bias_correction, maximize, ema = hyper
-        ema_decay, schedule, start, inv_gamma, power, min_decay = ema
+        ema_decay, schedule, start, inv_gamma, power, min_decay, every = ema
         torch.ops.fused_optim.adam_step_(
             op, grads[s:e], params[s:e], exp_avgs[s:e], exp_avg_sqs[s:e], emas[es:ee],
             masters[ms:me], steps[s:e], lr, None if li is None else lrs[li], beta1, beta2, eps,
             wd, decoupled, bias_correction, maximize, ema_decay, schedule, start, inv_gamma,
-            power, min_decay, grad_scale, found_inf, opt._chunk_size)
+            power, min_decay, every, grad_scale, found_inf, opt._chunk_size)
 
 
 def _unsupported(opt) -> Optional[str]:
@@ -167,13 +167,14 @@ def _hyper(opt, group: Dict[str, Any]) -> tuple:
     """The op's hyperparameter arguments for ``group`` (the EMA decay by schedule)."""
     h = opt._hyper({**group, "ema_decay": None}, 1)  # every field but the scheduled decay
     lr = 0.0 if isinstance(group["lr"], torch.Tensor) else h.lr
-    ema = (None, "constant", 0, 1.0, 1.0, 0.0)
+    ema = (None, "constant", 0, 1.0, 1.0, 0.0, 1)
     if opt._has_ema(group):
         options = ema_schedules.group_options(group)
         schedule = options["ema_schedule"]
         ema = (float(group["ema_decay"]), "constant" if schedule is None else schedule.lower(),
                int(options["ema_start_step"]), float(options["ema_inv_gamma"]),
-               float(options["ema_power"]), float(options["ema_min_decay"]))
+               float(options["ema_power"]), float(options["ema_min_decay"]),
+               int(options["ema_update_every"]))
     return (lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, h.bias_correction,
             h.maximize, ema)
 

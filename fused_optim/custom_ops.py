@@ -10,7 +10,7 @@ Arguments: ``op``, a name from :data:`multi_tensor.schema.OPS` (``fused_ema_adam
 ``radam``, ``radam_ema``); one bucket's lists, already checked against that op's table entry
 (``emas`` empty for ops without an EMA, ``masters`` empty without master weights); ``steps``, each
 param's ``state["step"]`` (float32 scalar tensors, none of them shared); the group's
-hyperparameters as Python scalars; the EMA schedule by name (a callable cannot be an op argument);
+hyperparameters as Python scalars; the EMA schedule by name and ``ema_update_every`` (a callable cannot be an op argument);
 GradScaler's ``grad_scale`` and ``found_inf``.
 
 The step number is a tensor in a traced step, so the per-step scalars cannot be folded into the
@@ -39,7 +39,7 @@ SCHEMA = (
     "float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, "
     "bool decoupled, bool bias_correction, bool maximize, float? ema_decay, str ema_schedule, "
     "int ema_start_step, float ema_inv_gamma, float ema_power, float ema_min_decay, "
-    "Tensor? grad_scale, Tensor? found_inf, int chunk_size) -> ()")
+    "int ema_update_every, Tensor? grad_scale, Tensor? found_inf, int chunk_size) -> ()")
 _noop_flags: Dict[torch.device, torch.Tensor] = {}
 
 
@@ -57,7 +57,7 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
                eps: float, weight_decay: float, decoupled: bool, bias_correction: bool,
                maximize: bool, ema_decay: Optional[float], ema_schedule: str,
                ema_start_step: int, ema_inv_gamma: float, ema_power: float,
-               ema_min_decay: float, grad_scale: Optional[torch.Tensor],
+               ema_min_decay: float, ema_update_every: int, grad_scale: Optional[torch.Tensor],
                found_inf: Optional[torch.Tensor], chunk_size: int) -> None:
     """One bucket's update and step advance (see the module docstring)."""
     if not params or (found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0)):
@@ -76,13 +76,16 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
         t = done + 1
         decay = None if ema_decay is None else ema_schedules.ema_decay_at(
             t, ema_decay, ema_schedule, ema_start_step, ema_inv_gamma, ema_power, ema_min_decay,
-            owner=op)
+            ema_update_every, owner=op)
+        # a step that ema_update_every skips runs the op without the EMA (no EMA bytes moved)
+        run_op, run_lists = (op, lists) if decay is not None or not spec.has_ema else (
+            schema.adam_op(spec.rule, False).name, lists[:4] + lists[5:])
         hyper = rules.AdamHyper(lr=lr_value, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=weight_decay, decoupled=decoupled,
                                 bias_correction=bias_correction, maximize=maximize,
                                 ema_decay=decay, rule=spec.rule)
-        rows_lists = lists if rows is None else [[ts[i] for i in rows] for ts in lists]
-        backend.ops[op](chunk_size, _noop_flag(device), rows_lists, rules.step_scalars(hyper, t),
+        rows_lists = run_lists if rows is None else [[ts[i] for i in rows] for ts in run_lists]
+        backend.ops[run_op](chunk_size, _noop_flag(device), rows_lists, rules.step_scalars(hyper, t),
                         scale, False)
     torch._foreach_add_(steps, 1.0)
 
@@ -90,7 +93,7 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
 def _adam_step_fake(op, grads, params, exp_avgs, exp_avg_sqs, emas, masters, steps, lr,
                     lr_tensor, beta1, beta2, eps, weight_decay, decoupled, bias_correction,
                     maximize, ema_decay, ema_schedule, ema_start_step, ema_inv_gamma, ema_power,
-                    ema_min_decay, grad_scale, found_inf, chunk_size) -> None:
+                    ema_min_decay, ema_update_every, grad_scale, found_inf, chunk_size) -> None:
     """In place: no outputs, nothing to allocate."""
     return None
 

@@ -90,6 +90,10 @@ CASES = [
     ("adamw_bf16_masters", lambda ps: FusedAdamW(ps, lr=1e-2), torch.bfloat16, False),
     ("adam_bf16_no_masters", lambda ps: FusedAdam(ps, lr=1e-2, bias_correction=False),
      torch.bfloat16, False),
+    ("ema_every_3_bf16_ema", lambda ps: FusedEmaAdamW(ps, lr=1e-2, ema_decay=0.5,
+                                                      ema_update_every=3,
+                                                      ema_dtype=torch.bfloat16),
+     torch.float32, False),
     ("radam_ema", lambda ps: FusedRAdam(ps, lr=1e-2, ema_decay=0.9,
                                         decoupled_weight_decay=True, weight_decay=0.1),
      torch.float32, False),
@@ -303,7 +307,7 @@ def test_bad_option_raises_while_compiling():
 
 def _op_samples():
     """One bucket per list form: fp32 with EMA, bf16 with masters and EMA, fp32 Adam, RAdam."""
-    def bucket(op, dtype, ema, master, steps=(0.0, 3.0)):
+    def bucket(op, dtype, ema, master, steps=(0.0, 3.0), every=1):
         gen = torch.Generator().manual_seed(0)
         shapes = [(3, 5), (7,)]
         params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
@@ -314,15 +318,17 @@ def _op_samples():
                 [p.to(state_dtype) for p in params] if ema else [],
                 [p.float() for p in params] if master else [],
                 [torch.tensor(s) for s in steps], 1e-2, None, 0.9, 0.999, 1e-8, 0.1, True,
-                True, False, 0.99 if ema else None, "warmup", 0, 1.0, 2.0 / 3.0, 0.0, None, None,
-                65536)
+                True, False, 0.99 if ema else None, "warmup", 0, 1.0, 2.0 / 3.0, 0.0, every,
+                None, None, 65536)
     return [bucket("fused_ema_adamw", torch.float32, True, False),
             bucket("fused_ema_adamw", torch.bfloat16, True, True),
             bucket("adam", torch.float32, False, False),
-            bucket("radam_ema", torch.float32, True, False, steps=(9.0, 9.0))]
+            bucket("radam_ema", torch.float32, True, False, steps=(9.0, 9.0)),
+            bucket("fused_ema_adamw", torch.float32, True, False, steps=(1.0, 1.0), every=3)]
 
 
-@pytest.mark.parametrize("args", _op_samples(), ids=["ema", "ema_masters", "adam", "radam_ema"])
+@pytest.mark.parametrize("args", _op_samples(),
+                         ids=["ema", "ema_masters", "adam", "radam_ema", "ema_skipped_step"])
 def test_opcheck(args):
     """torch.library.opcheck: schema (mutations declared), fake impl, autograd registration,
     and AOT dispatch with dynamic shapes."""
