@@ -46,7 +46,12 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
             the param receives the master rounded once per step. ``False`` (apex's default):
             state in the param's dtype, math in fp32.
         maximize: maximize the objective.
-        capturable, differentiable: not supported: ``True`` raises ``NotImplementedError``.
+        differentiable: not supported: ``True`` raises ``NotImplementedError``.
+        capturable: ``True``: every step runs without a host sync and can be captured in a CUDA
+            graph (the step counters and per-step scalars live on the device; ``lr`` may be a
+            device tensor, read by the kernel, so an LR schedule that updates it in place needs
+            no re-capture). Needs the Triton backend (CUDA) and, with an EMA, a constant decay
+            from step 1; otherwise the first step raises ``ValueError`` naming the param.
         foreach, fused: accepted for compatibility with ``torch.optim.Adam`` (torch's argument
             errors are raised, e.g. both True); the update is always one fused call per bucket.
         fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
@@ -75,11 +80,11 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
                  chunk_size: int = multi_tensor_applier.chunk_size):
         check_torch_options(type(self).__name__, lr, betas, foreach=foreach, fused=fused,
                             capturable=capturable, differentiable=differentiable)
-        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
+        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad,
                                 differentiable=differentiable)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
-                        master_weights=master_weights, maximize=maximize)
+                        master_weights=master_weights, maximize=maximize, capturable=capturable)
         self._check_group(defaults)
         self.set_grad_none = bool(set_grad_none)
         super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
@@ -98,8 +103,13 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
 
     Args:
         params, lr, betas, eps, weight_decay (default 1e-2), maximize: as ``torch.optim.AdamW``.
-        amsgrad, capturable, differentiable: accepted for compatibility; ``True`` raises
+        amsgrad, differentiable: accepted for compatibility; ``True`` raises
             ``NotImplementedError``.
+        capturable: ``True``: every step runs without a host sync and can be captured in a CUDA
+            graph (the step counters and per-step scalars live on the device; ``lr`` may be a
+            device tensor, read by the kernel, so an LR schedule that updates it in place needs
+            no re-capture). Needs the Triton backend (CUDA) and, with an EMA, a constant decay
+            from step 1; otherwise the first step raises ``ValueError`` naming the param.
         foreach, fused: accepted and ignored (the update is always one fused call per bucket).
         master_weights: fp16/bf16 params keep an fp32 ``master_param`` (default ``True``);
             ``False``: state in the param's dtype, as torch keeps it.

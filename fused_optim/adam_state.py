@@ -56,7 +56,6 @@ def check_ema_dtype(owner: str, ema_dtype) -> None:
 # torch.optim flags the fused optimizers accept but cannot honour when True.
 UNSUPPORTED_FLAGS = {
     "amsgrad": "the AMSGrad variant (amsgrad=True)",
-    "capturable": "capturable=True (CUDA-graph capture of step)",
     "differentiable": "differentiable=True (autograd through step)",
 }
 
@@ -166,8 +165,10 @@ class AdamStateMixin:
 
     def _hyper(self, group: Dict[str, Any], step: int) -> rules.AdamHyper:
         beta1, beta2 = group["betas"]
+        lr = group["lr"]
         return rules.AdamHyper(
-            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+            # capturable: a tensor lr is read by the kernel on the device (see _device_lr)
+            lr=0.0 if isinstance(lr, torch.Tensor) and group.get("capturable") else float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]), decoupled=self._decoupled(group),
             bias_correction=bool(group.get("bias_correction", True)),
             maximize=bool(group.get("maximize", False)),

@@ -128,12 +128,14 @@ class _Bucket:
         return local
 
     def run(self, hyper: rules.AdamHyper, noop_flag: torch.Tensor,
-            skip_flag: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> None:
-        """One update; ``skip_flag``: a device flag (found_inf) that cancels it on the device."""
+            skip_flag: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
+            lr: Optional[torch.Tensor] = None) -> None:
+        """One update; ``skip_flag``: a device flag (found_inf) that cancels it on the device;
+        ``lr``: a device tensor the kernel reads in place of ``hyper.lr`` (capturable)."""
         scale = None if grad_scale is None else grad_scale.to(self.device)
         if self.device_steps:
             flag = noop_flag if skip_flag is None else skip_flag.to(self.device)
-            self.prepared.run_device_step(self.step_tensor, hyper, flag, scale)
+            self.prepared.run_device_step(self.step_tensor, hyper, flag, scale, lr=lr)
             self.step += 1
         else:
             self.active.run(noop_flag, rules.step_scalars(hyper, self.step + 1), scale, False)
@@ -222,6 +224,12 @@ def _all_zero(grads: List[torch.Tensor]) -> bool:
         for dim in range(mesh.ndim):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     return not bool(flag.item())
+
+
+def _device_lr(group: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """A capturable group's tensor ``lr``, which its kernels read on the device."""
+    lr = group["lr"]
+    return lr if group.get("capturable") and isinstance(lr, torch.Tensor) else None
 
 
 def _real_view(t: torch.Tensor) -> torch.Tensor:
@@ -359,7 +367,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             return loss
         hypers = self._hypers(work)
         for (group, bucket), hyper in zip(work, hypers):
-            bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale)
+            bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale,
+                       _device_lr(group))
         return loss
 
     @torch.no_grad()
@@ -541,6 +550,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             all_rows = len(rows) == len(params) and rows == list(range(len(params)))
             device_steps = (hasattr(prepared[0], "run_device_step")
                             and not self._step_dependent(group))
+            if group.get("capturable") and not device_steps:
+                raise ValueError(self._not_capturable(group, bucket_params[0], bound[0][3],
+                                                      hasattr(prepared[0], "run_device_step")))
             bucket = _Bucket(None if all_rows else rows, bucket_params, prepared[0],
                              self._step_of(bucket_params[0]), device_steps,
                              ema_free=prepared[-1], every=bound[-1][0], layout=layout)
@@ -548,6 +560,17 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 self.state[p]["step"] = bucket.step_tensor
             buckets.append(bucket)
         return buckets
+
+    def _not_capturable(self, group: Dict[str, Any], p: torch.Tensor, backend,
+                        device_steps: bool) -> str:
+        index = next(i for i, q in enumerate(group["params"]) if q is p)
+        why = ("the group's EMA decay depends on the step (an ema_schedule other than "
+               "'constant', ema_start_step > 0 or ema_update_every > 1)" if device_steps else
+               f"the {backend.name!r} backend that runs these tensors keeps steps on the host "
+               f"(the Triton backend on CUDA keeps them on the device)")
+        return (f"{type(self).__name__}: capturable=True needs the step counters and the "
+                f"per-step scalars on the device, but params[{index}] of the group ({p.device}, "
+                f"{p.dtype}) cannot have them: {why}")
 
     def _noop_flag(self, device: torch.device) -> torch.Tensor:
         """A zero flag per device (the optimizer never asks a kernel to set it)."""

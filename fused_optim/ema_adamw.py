@@ -68,8 +68,13 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         master_weights: fp16/bf16 params keep an fp32 ``master_param``; moments and EMA are fp32;
             the param is the master rounded once per step. ``False``: state in the param dtype.
         maximize: maximize the objective instead of minimizing.
-        amsgrad, capturable, differentiable: accepted for compatibility with
-            ``torch.optim.AdamW``; ``True`` raises ``NotImplementedError`` naming the feature.
+        amsgrad, differentiable: accepted for compatibility with ``torch.optim.AdamW``; ``True``
+            raises ``NotImplementedError`` naming the feature.
+        capturable: ``True``: every step runs without a host sync and can be captured in a CUDA
+            graph (the step counters and per-step scalars live on the device; ``lr`` may be a
+            device tensor, read by the kernel, so an LR schedule that updates it in place needs
+            no re-capture). Needs the Triton backend (CUDA) and, with an EMA, a constant decay
+            from step 1; otherwise the first step raises ``ValueError`` naming the param.
         foreach, fused: accepted and ignored (always one fused call per bucket); torch's argument
             errors are raised (e.g. both True).
         fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
@@ -101,12 +106,12 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                  chunk_size: int = multi_tensor_applier.chunk_size):
         check_torch_options(type(self).__name__, lr, betas, foreach=foreach, fused=fused,
                             capturable=capturable, differentiable=differentiable)
-        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
+        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad,
                                 differentiable=differentiable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         ema_decay=ema_decay, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, master_weights=master_weights,
-                        maximize=maximize, ema_schedule=ema_schedule,
+                        maximize=maximize, capturable=capturable, ema_schedule=ema_schedule,
                         ema_start_step=ema_start_step, ema_inv_gamma=ema_inv_gamma,
                         ema_power=ema_power, ema_min_decay=ema_min_decay,
                         ema_update_every=ema_update_every, ema_dtype=ema_dtype)

@@ -626,12 +626,9 @@ def test_complex_half_is_rejected_clearly():
 
 
 @pytest.mark.parametrize("make", [
-    lambda p: FusedAdam(p, amsgrad=True), lambda p: FusedAdam(p, capturable=True),
-    lambda p: FusedAdamW(p, amsgrad=True), lambda p: FusedAdamW(p, capturable=True),
-    lambda p: FusedAdamW(p, differentiable=True), lambda p: FusedRAdam(p, capturable=True),
-    lambda p: FusedRAdam(p, differentiable=True),
-], ids=["adam_amsgrad", "adam_capturable", "adamw_amsgrad", "adamw_capturable",
-        "adamw_differentiable", "radam_capturable", "radam_differentiable"])
+    lambda p: FusedAdam(p, amsgrad=True), lambda p: FusedAdamW(p, amsgrad=True),
+    lambda p: FusedAdamW(p, differentiable=True), lambda p: FusedRAdam(p, differentiable=True),
+], ids=["adam_amsgrad", "adamw_amsgrad", "adamw_differentiable", "radam_differentiable"])
 def test_unsupported_flags_raise(make):
     with pytest.raises(NotImplementedError, match="does not support"):
         make([torch.nn.Parameter(torch.zeros(2))])

@@ -146,7 +146,7 @@ def _train_step(model, opt, step, rank, dtype):
 # --- scenarios ---------------------------------------------------------------------------------
 def _scenario_ddp(rank, _):
     """DDP: different data per rank, all-reduced grads: every rank's params, state and EMA
-    are bitwise identical after every step."""
+    are bitwise identical after every step; a compiled step equals the eager one."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -162,6 +162,28 @@ def _scenario_ddp(rank, _):
     gathered = [torch.empty_like(flat) for _ in range(WORLD)]
     dist.all_gather(gathered, flat)
     _equal(gathered[0], gathered[1], "rank 0 vs rank 1")
+
+    # a compiled step (torch.compile, fullgraph: one custom op per bucket) under DDP gives the
+    # eager step's bits
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(DDP(Net()))
+    (eager_model, compiled_model) = models
+    eager_opt = FusedEmaAdamW(eager_model.parameters(), **OPT)
+    compiled_opt = FusedEmaAdamW(compiled_model.parameters(), **OPT)
+    compiled_step = torch.compile(compiled_opt.step, backend="eager", fullgraph=True)
+    for step in range(3):
+        x, y = _data(step, rank)
+        for model_, step_fn in ((eager_model, eager_opt.step), (compiled_model, compiled_step)):
+            ((model_(x) - y) ** 2).mean().backward()
+            step_fn()
+        eager_opt.zero_grad()
+        compiled_opt.zero_grad()
+    for (name, p), q in zip(eager_model.named_parameters(), compiled_model.parameters()):
+        _equal(p, q, f"compiled step: {name}")
+        for key in ("exp_avg", "exp_avg_sq", "ema", "step"):
+            _equal(eager_opt.state[p][key], compiled_opt.state[q][key], f"compiled step: {name} {key}")
 
 
 def _scenario_fsdp(rank, precision):

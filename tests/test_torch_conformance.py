@@ -62,14 +62,14 @@ def test_same_exception_type_as_torch(fn, torch_cls, fused_cls, index):
         f"ours {getattr(got, '__name__', got)}")
 
 
-UNSUPPORTED = ["amsgrad", "capturable", "differentiable"]
+UNSUPPORTED = ["amsgrad", "differentiable"]  # capturable=True is supported (the Triton backend)
 OPTIMIZERS = {
     FusedEmaAdamW: UNSUPPORTED,
     FusedAdamW: UNSUPPORTED,
     FusedAdam: UNSUPPORTED,
-    FusedRAdam: ["capturable", "differentiable"],  # torch's RAdam has no amsgrad
+    FusedRAdam: ["differentiable"],  # torch's RAdam has no amsgrad
 }
-FEATURE = {"amsgrad": "AMSGrad", "capturable": "capturable", "differentiable": "differentiable"}
+FEATURE = {"amsgrad": "AMSGrad", "differentiable": "differentiable"}
 
 
 @pytest.mark.parametrize("cls,flag", [(c, f) for c, fs in OPTIMIZERS.items() for f in fs],

@@ -484,13 +484,17 @@ def _cpu_clone_backend():
         prepare=triton_gpu.prepare, description="the triton backend on CPU tensors (interpreter)"))
 
 
-def _optimizer_case(cls_name: str, dtype: str, scheduled: bool = False):
-    """A fused optimizer on the triton buckets (device steps) == on the reference, bitwise."""
+def _optimizer_case(cls_name: str, dtype: str, scheduled: bool = False, capturable: bool = False):
+    """A fused optimizer on the triton buckets (device steps) == on the reference, bitwise.
+
+    ``capturable``: on the triton buckets the optimizer is capturable with ``lr`` a tensor that
+    is changed in place before the third step (read by the kernel, no host value); the
+    reference runs the same steps with float lrs."""
     import fused_optim
     _cpu_clone_backend()
     p_dt = {"fp32": F32, "bf16": BF16, "fp16": F16, "fp64": F64}[dtype]
 
-    def build():
+    def build(backend):
         gen = torch.Generator().manual_seed(11)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(p_dt))
                   for s in ((5, 7), (13,), (1,), (2000,))]
@@ -500,15 +504,23 @@ def _optimizer_case(cls_name: str, dtype: str, scheduled: bool = False):
             kw.update(ema_decay=0.9)
             if scheduled:
                 kw.update(ema_schedule="warmup")
+        if capturable and backend == "triton_interp":
+            kw.update(capturable=True, lr=torch.tensor(1e-2))
         opt = cls(params, **kw)
         return params, opt
 
     results = []
     for backend in ("triton_interp", "reference"):
         with multi_tensor.backends.forced_backend(backend):
-            params, opt = build()
+            params, opt = build(backend)
             gen = torch.Generator().manual_seed(12)
             for step in range(4):
+                if capturable and step == 2:
+                    lr = opt.param_groups[0]["lr"]
+                    if isinstance(lr, torch.Tensor):
+                        lr.fill_(3e-3)
+                    else:
+                        opt.param_groups[0]["lr"] = 3e-3
                 for p in params:
                     p.grad = (torch.randn(p.shape, generator=gen) * 64.0).to(p_dt)
                 opt.grad_scale = torch.tensor(64.0)  # 0-dim, as GradScaler sets them
@@ -534,6 +546,9 @@ for _cls in ("FusedEmaAdamW", "FusedAdamW", "FusedRAdam"):
         case(f"optimizer-{_cls}-{_dt}")(lambda c=_cls, d=_dt: _optimizer_case(c, d))
 case("optimizer-FusedEmaAdamW-warmup-schedule-host-steps")(
     lambda: _optimizer_case("FusedEmaAdamW", "fp32", scheduled=True))
+for _cls in ("FusedEmaAdamW", "FusedAdamW", "FusedAdam"):
+    case(f"optimizer-{_cls}-capturable-tensor-lr")(
+        lambda c=_cls: _optimizer_case(c, "bf16", capturable=True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fused_optim
 from fused_optim import FusedEmaAdamW, fused_ema_adamw, npu_apply_fused_ema_adamw
 from multi_tensor import (MultiTensorApply, multi_tensor_applier, multi_tensor_fused_ema_adamw,
                           multi_tensor_l2norm, multi_tensor_scale)
@@ -424,3 +425,24 @@ def test_tensor_lists_that_are_not_lists_of_lists_are_rejected(bad):
     for op, call in calls.items():
         with pytest.raises(TypeError, match=f"{op}: tensor_lists must be a list of lists"):
             call()
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: fused_optim.FusedEmaAdamW(ps, lr=torch.tensor(1e-2), capturable=True),
+    lambda ps: fused_optim.FusedAdamW(ps, capturable=True),
+    lambda ps: fused_optim.FusedAdam(ps, capturable=True),
+    lambda ps: fused_optim.FusedRAdam(ps, capturable=True),
+], ids=["FusedEmaAdamW", "FusedAdamW", "FusedAdam", "FusedRAdam"])
+def test_capturable_without_device_steps_raises_before_any_change(make):
+    """capturable=True needs device-side steps (the Triton backend on CUDA): on CPU the first
+    step raises naming the param and the reason, and changes nothing (torch raises too)."""
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    opt = make(params)
+    assert opt.param_groups[0]["capturable"] is True
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"capturable=True .* params\[0\] .*keeps steps on the host"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(float(s["step"]) == 0 for s in opt.state.values())
