@@ -308,6 +308,7 @@ def _incache_steppers(numel: int, with_deepspeed: bool) -> Dict[str, Callable[[]
     steppers: Dict[str, Callable[[], None]] = {}
     p = param()
     steppers["ours"] = fused_optim.FusedEmaAdamW([p], ema_decay=EMA_DECAY, **kw).step
+    steppers["ours_kernel"] = _kernel_stepper(param())
     p = param()
     steppers["fused_adamw"] = torch.optim.AdamW([p], fused=True, **kw).step
     p = param()
@@ -326,8 +327,31 @@ def _incache_steppers(numel: int, with_deepspeed: bool) -> Dict[str, Callable[[]
     return steppers
 
 
+def _kernel_stepper(p: torch.Tensor) -> Callable[[], None]:
+    """The fused_ema_adamw kernel alone: the backend's prepared bucket, bind + run per step, as
+    the optimizer's step calls it, without the optimizer's Python (plans, hyperparameters,
+    torch's step hooks), so the per-element compute shows apart from the per-step overhead."""
+    from multi_tensor import rules
+    from multi_tensor.backends import registry
+
+    lists = [[p.detach()], [torch.zeros_like(p)], [torch.zeros_like(p)], [p.detach().clone()]]
+    bucket = registry.backend_for("fused_ema_adamw", p.device).prepare_bucket(
+        "fused_ema_adamw", lists, fused_optim.base.multi_tensor_applier.chunk_size)
+    b1, b2 = BETAS
+    scalars = rules.step_scalars(rules.AdamHyper(
+        lr=LR, beta1=b1, beta2=b2, eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=True,
+        bias_correction=True, maximize=False, ema_decay=EMA_DECAY, rule=rules.ADAM), 10)
+    noop, grads = torch.zeros(1, dtype=torch.int32), [p.grad]
+
+    def step() -> None:
+        bucket.bind(grads)
+        bucket.run(noop, scalars, None, False)
+    return step
+
+
 INCACHE_DESCRIPTIONS = {
     "ours": "FusedEmaAdamW step (AdamW + EMA)",
+    "ours_kernel": "its kernel alone: prepared bucket bind + run (no optimizer Python)",
     "fused_adamw": "torch AdamW(fused=True) step (no EMA)",
     "fused_ema": "torch AdamW(fused=True) step + _foreach_lerp_ EMA",
     "deepspeed_adam": "DeepSpeedCPUAdam step (no EMA)",
