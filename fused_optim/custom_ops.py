@@ -31,6 +31,7 @@ from multi_tensor.backends import registry
 from multi_tensor.bucketing import group_indices
 
 from . import ema_schedules
+from .functional import _noop_flag  # the per-device zero flag (never set by these calls)
 
 OP_NAME = "fused_optim::adam_step_"
 SCHEMA = (
@@ -40,14 +41,6 @@ SCHEMA = (
     "bool decoupled, bool bias_correction, bool maximize, float? ema_decay, str ema_schedule, "
     "int ema_start_step, float ema_inv_gamma, float ema_power, float ema_min_decay, "
     "int ema_update_every, Tensor? grad_scale, Tensor? found_inf, int chunk_size) -> ()")
-_noop_flags: Dict[torch.device, torch.Tensor] = {}
-
-
-def _noop_flag(device: torch.device) -> torch.Tensor:
-    flag = _noop_flags.get(device)
-    if flag is None:
-        flag = _noop_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return flag
 
 
 def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],

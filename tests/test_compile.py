@@ -65,6 +65,14 @@ def backward(model, opt, t, autocast=False):
         model.b.bias.grad = None
 
 
+def step_both(eager_model, eager_opt, model, opt, step, t, autocast=False):
+    """Step ``t`` of the eager pair with ``eager_opt.step()`` and of the other with ``step``."""
+    backward(eager_model, eager_opt, t, autocast)
+    eager_opt.step()
+    backward(model, opt, t, autocast)
+    step()
+
+
 def assert_same(opt_a, model_a, opt_b, model_b):
     for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
         assert torch.equal(p, q), name
@@ -108,10 +116,7 @@ def test_compiled_steps_equal_eager_steps(make, dtype, autocast):
     graphs = Graphs()
     compiled = torch.compile(opt.step, backend=graphs, fullgraph=True)
     for t in range(1, STEPS + 1):
-        backward(eager_model, eager_opt, t, autocast)
-        eager_opt.step()
-        backward(model, opt, t, autocast)
-        compiled()
+        step_both(eager_model, eager_opt, model, opt, compiled, t, autocast)
     assert_same(eager_opt, eager_model, opt, model)
     assert len(graphs.graphs) == 1 and graphs.op_calls() == 1  # one bucket: one op; compiled once
 
@@ -155,10 +160,7 @@ def test_inductor_fullgraph():
     opt = FusedEmaAdamW(model.parameters(), lr=1e-2)
     compiled = torch.compile(opt.step, fullgraph=True)
     for t in range(1, 3):
-        backward(eager_model, eager_opt, t)
-        eager_opt.step()
-        backward(model, opt, t)
-        compiled()
+        step_both(eager_model, eager_opt, model, opt, compiled, t)
     assert_same(eager_opt, eager_model, opt, model)
 
 
@@ -193,10 +195,7 @@ def test_tensor_lr_changes_without_recompiling():
     for t in range(1, STEPS + 1):
         for o in (eager_opt, opt):   # as an LR scheduler updates a tensor lr: in place
             o.param_groups[0]["lr"].fill_(1e-2 / t)
-        backward(eager_model, eager_opt, t)
-        eager_opt.step()
-        backward(model, opt, t)
-        compiled()
+        step_both(eager_model, eager_opt, model, opt, compiled, t)
     assert_same(eager_opt, eager_model, opt, model)
     assert len(graphs.graphs) == 1
 
@@ -273,10 +272,7 @@ def test_untraceable_features_fall_back_to_the_eager_step(feature, options, net,
     assert int(opt.state[model.a.weight].get("step", 0)) == 0  # nothing ran
     compiled = torch.compile(opt.step, backend="eager")  # one graph break, eager step
     for t in range(1, 4):
-        backward(eager_model, eager_opt, t)
-        eager_opt.step()
-        backward(model, opt, t)
-        compiled()
+        step_both(eager_model, eager_opt, model, opt, compiled, t)
     assert_same(eager_opt, eager_model, opt, model)
     for key, value in eager_opt.ema_buffers.items():
         assert torch.equal(value, opt.ema_buffers[key]), key
