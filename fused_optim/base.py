@@ -58,7 +58,8 @@ from multi_tensor import multi_tensor_applier, rules, schema, validation
 from multi_tensor.backends import registry
 from multi_tensor.bucketing import group_indices, is_dtensor, local_shard, shard_layout
 
-from . import compiled
+from . import ema_schedules
+
 
 LOW_PRECISION = validation.LOW_PRECISION
 COMPLEX_DTYPES = (torch.complex64, torch.complex128)
@@ -72,8 +73,8 @@ class _Bucket:
     so a step needs no host sync; the host's ``step`` then counts the steps attempted.
 
     ``ema_free``: with ``ema_update_every = k > 1``, the bucket's lists without the EMA bound to
-    the op without it, which runs the steps that do not update the EMA (``step % k != 0`` before
-    the step), so those steps move no EMA bytes.
+    the op without it, which runs the steps that do not update the EMA
+    (:func:`fused_optim.ema_schedules.updates_at`), so those steps move no EMA bytes.
     """
 
     __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device", "complex",
@@ -109,7 +110,8 @@ class _Bucket:
         if self.complex:
             mine = [None if g is None else _real_view(g) for g in mine]
         self.grads = mine
-        self.active = self.prepared if self.step % self.every == 0 else self.ema_free
+        self.active = (self.prepared if ema_schedules.updates_at(self.step + 1, self.every)
+                       else self.ema_free)
         return self.active.bind(mine)
 
     def _local_grads(self, grads):
@@ -135,7 +137,7 @@ class _Bucket:
         scale = None if grad_scale is None else grad_scale.to(self.device)
         if self.device_steps:
             flag = noop_flag if skip_flag is None else skip_flag.to(self.device)
-            self.prepared.run_device_step(self.step_tensor, hyper, flag, scale, lr=lr)
+            self.active.run_device_step(self.step_tensor, hyper, flag, scale, lr=lr)
             self.step += 1
         else:
             self.active.run(noop_flag, rules.step_scalars(hyper, self.step + 1), scale, False)
@@ -209,7 +211,8 @@ def _is_zero(lr) -> bool:
 def _all_zero(grads: List[torch.Tensor]) -> bool:
     """Whether every element of every grad is zero, over all shards of sharded grads: ranks
     decide together (one all-reduce per device mesh), so no rank takes a step the others skip."""
-    nonzero = any(bool(local_shard(g).ne(0).any()) for g in grads)
+    nonzero = bool(torch.stack([local_shard(g).ne(0).any().to(grads[0].device)
+                                for g in grads]).any())  # one host read
     meshes = []
     for g in grads:
         layout = shard_layout(g)
@@ -224,6 +227,14 @@ def _all_zero(grads: List[torch.Tensor]) -> bool:
         for dim in range(mesh.ndim):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     return not bool(flag.item())
+
+
+def _changes_in_place(value) -> bool:
+    """Whether a group option may change without being replaced and is checked at every step:
+    a list, or a CPU tensor (alone or in a tuple)."""
+    if isinstance(value, tuple):
+        return any(_changes_in_place(v) for v in value)
+    return isinstance(value, list) or (isinstance(value, torch.Tensor) and value.device.type == "cpu")
 
 
 def _device_lr(group: Dict[str, Any]) -> Optional[torch.Tensor]:
@@ -241,7 +252,6 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     _supports_complex = False  # complex64/complex128 params, run as real views
-    _init_group = compiled.init_group  # what dynamo runs eagerly when it compiles step()
 
     def __init__(self, params, defaults: Dict[str, Any], chunk_size: int = multi_tensor_applier.chunk_size,
                  fused_unscale: bool = True, max_grad_norm: Optional[float] = None):
@@ -347,6 +357,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():  # traced by torch.compile: fused_optim/compiled.py
+            from . import compiled  # imported here: it needs torch._dynamo (about 1 s to import)
             compiled.step(self)
             return loss
         self._before_step()
@@ -370,6 +381,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale,
                        _device_lr(group))
         return loss
+
+    def _init_group(self, *lists):
+        """What dynamo runs eagerly when it compiles ``step()`` (see fused_optim/compiled.py)."""
+        from . import compiled
+        return compiled.init_group(self, *lists)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -473,13 +489,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     def _ensure_checked(self, group: Dict[str, Any]) -> None:
         """Check a group's options unless none was replaced since the last check (a scheduler
-        assigns a new lr object; tensor options can change in place, so they are always checked)."""
+        assigns a new lr object). CPU tensor options can change in place, so they are checked at
+        every step; a tensor on an accelerator only when it is replaced, as torch checks it only
+        when it is set: reading its value would sync the device (and break a captured step)."""
         key = tuple(map(id, group.values()))
         if self._checked_groups.get(id(group)) != key:
             self._check_group(group)
-            mutable = any(isinstance(v, (torch.Tensor, list)) or (
-                isinstance(v, tuple) and any(isinstance(x, torch.Tensor) for x in v))
-                for k, v in group.items() if k != "params")
+            mutable = any(_changes_in_place(v) for k, v in group.items() if k != "params")
             self._checked_groups[id(group)] = None if mutable else key
 
     # --- plans --------------------------------------------------------------------------------
@@ -550,9 +566,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             all_rows = len(rows) == len(params) and rows == list(range(len(params)))
             device_steps = (hasattr(prepared[0], "run_device_step")
                             and not self._step_dependent(group))
-            if group.get("capturable") and not device_steps:
-                raise ValueError(self._not_capturable(group, bucket_params[0], bound[0][3],
-                                                      hasattr(prepared[0], "run_device_step")))
+            if group.get("capturable"):
+                self._check_capturable(group, bucket_params[0], bound[0][3],
+                                       hasattr(prepared[0], "run_device_step"), device_steps)
             bucket = _Bucket(None if all_rows else rows, bucket_params, prepared[0],
                              self._step_of(bucket_params[0]), device_steps,
                              ema_free=prepared[-1], every=bound[-1][0], layout=layout)
@@ -561,16 +577,26 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             buckets.append(bucket)
         return buckets
 
-    def _not_capturable(self, group: Dict[str, Any], p: torch.Tensor, backend,
-                        device_steps: bool) -> str:
-        index = next(i for i, q in enumerate(group["params"]) if q is p)
-        why = ("the group's EMA decay depends on the step (an ema_schedule other than "
-               "'constant', ema_start_step > 0 or ema_update_every > 1)" if device_steps else
-               f"the {backend.name!r} backend that runs these tensors keeps steps on the host "
-               f"(the Triton backend on CUDA keeps them on the device)")
-        return (f"{type(self).__name__}: capturable=True needs the step counters and the "
-                f"per-step scalars on the device, but params[{index}] of the group ({p.device}, "
-                f"{p.dtype}) cannot have them: {why}")
+    def _check_capturable(self, group: Dict[str, Any], p: torch.Tensor, backend,
+                          backend_steps: bool, device_steps: bool) -> None:
+        """A capturable group's bucket keeps its steps on the device and reads a tensor lr
+        there; raise naming the param group and param where it cannot."""
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        where = f"param_groups[{gi}]['params'][{next(i for i, q in enumerate(group['params']) if q is p)}]"
+        if not device_steps:
+            why = ("the group's EMA decay depends on the step (an ema_schedule other than "
+                   "'constant', ema_start_step > 0 or ema_update_every > 1)" if backend_steps else
+                   f"the {backend.name!r} backend that runs these tensors keeps steps on the host "
+                   f"(the Triton backend on CUDA keeps them on the device)")
+            raise ValueError(
+                f"{type(self).__name__}: capturable=True needs the step counters and the per-step "
+                f"scalars on the device, but {where} ({p.device}, {p.dtype}) cannot have them: {why}")
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device != p.device:
+            raise ValueError(
+                f"{type(self).__name__}: capturable=True reads a tensor lr on the params' device, "
+                f"but the lr of param_groups[{gi}] is on {lr.device} and {where} on {p.device}: "
+                f"create it there, e.g. torch.tensor(lr, device={str(p.device)!r})")
 
     def _noop_flag(self, device: torch.device) -> torch.Tensor:
         """A zero flag per device (the optimizer never asks a kernel to set it)."""

@@ -21,7 +21,8 @@ compiled step, so eager and compiled steps can be mixed (each switch recompiles 
 Not traceable, run eagerly behind one graph break (an error under ``fullgraph=True`` that names
 the feature): ``max_grad_norm``, a buffer EMA (``register_ema_buffers``), an EMA schedule given
 as a callable, ``betas`` given as tensors, complex params, params or grads without real storage
-(DTensor), sparse grads, and a step inside ``swap_ema_weights()`` (which raises, as eagerly).
+(DTensor), sparse grads, ``capturable=True``, and a step inside ``swap_ema_weights()`` (which
+raises, as eagerly).
 ``last_ema_decays`` is left empty by a compiled step (the decays are computed when the op runs).
 An ``lr`` given as a tensor is read when the op runs, so an LR scheduler that updates it in place
 (``lr=torch.tensor(1e-3)``) does not recompile; a float ``lr`` is a constant of the graph and a
@@ -50,6 +51,8 @@ UNSUPPORTED = {
     "sparse": "sparse gradients",
     "swapped": "a step inside swap_ema_weights()",
     "op": "an optimizer whose op is not of the Adam family",
+    "capturable": "capturable=True (the eager step keeps steps and scalars on the device; the "
+                  "traced op reads them on the host)",
 }
 
 
@@ -149,6 +152,8 @@ def init_group(opt, grads, params, exp_avgs, exp_avg_sqs, emas, masters, steps, 
 def _group_unsupported(opt, group: Dict[str, Any], present: List[torch.Tensor]) -> Optional[str]:
     if opt._op(group).rule is None:
         return "op"
+    if group.get("capturable"):
+        return "capturable"
     if opt._has_ema(group) and callable(group.get("ema_schedule")):
         return "ema_schedule"
     if any(isinstance(b, torch.Tensor) for b in group["betas"]):

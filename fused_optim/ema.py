@@ -641,7 +641,8 @@ class EmaAccessMixin:
         """``module.state_dict()`` with every optimized param replaced by a copy of its EMA.
 
         Values are in the param's dtype unless ``dtype`` is given (e.g. ``torch.float32`` to export
-        the unrounded fp32 EMA of a bf16 model). With a buffer EMA (:meth:`register_ema_buffers`;
+        the fp32 EMA of a bf16 model without rounding it to bf16; with ``ema_dtype=torch.bfloat16``
+        the EMA itself is bf16, and a wider ``dtype`` holds its exact value). With a buffer EMA (:meth:`register_ema_buffers`;
         ``ema_buffers=None`` or ``True``) the module's buffers of the kept names are replaced by
         their EMA (floating buffers, in the buffer's dtype unless ``dtype`` is given) or the kept
         copy (others); ``ema_buffers=True`` raises if no buffer EMA is kept, ``False`` leaves the

@@ -267,7 +267,7 @@ def test_untraceable_features_fall_back_to_the_eager_step(feature, options, net,
         setup(opt, model)
     backward(eager_model, eager_opt, 1)   # both models run a forward (BatchNorm statistics)
     backward(model, opt, 1)
-    with pytest.raises(Exception, match=feature):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=feature):
         torch.compile(opt.step, backend="eager", fullgraph=True)()
     assert int(opt.state[model.a.weight].get("step", 0)) == 0  # nothing ran
     compiled = torch.compile(opt.step, backend="eager")  # one graph break, eager step
@@ -276,6 +276,20 @@ def test_untraceable_features_fall_back_to_the_eager_step(feature, options, net,
     assert_same(eager_opt, eager_model, opt, model)
     for key, value in eager_opt.ema_buffers.items():
         assert torch.equal(value, opt.ema_buffers[key]), key
+
+
+def test_capturable_runs_the_eager_step_which_raises_on_cpu():
+    """capturable=True keeps steps on the device in the eager step; the traced op cannot, so a
+    compiled step falls back to the eager one, which raises where it cannot (here: CPU)."""
+    model = Net()
+    opt = FusedEmaAdamW(model.parameters(), lr=1e-2, capturable=True)
+    backward(model, opt, 1)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="capturable"):
+        torch.compile(opt.step, backend="eager", fullgraph=True)()
+    before = model.a.weight.detach().clone()
+    with pytest.raises(ValueError, match="capturable=True needs the step counters"):
+        torch.compile(opt.step, backend="eager")()
+    assert torch.equal(model.a.weight, before)
 
 
 def test_step_inside_swap_ema_weights_raises():

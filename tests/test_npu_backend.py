@@ -84,6 +84,11 @@ CASES = {
                                   ema_decay=0.9),
     "fp16_no_masters_ema_bf16": dict(dtype=F16, master_weights=False, ema_dtype=BF16,
                                      ema_decay=0.9),
+    # the EMA every 3 steps: the steps between run the op without the EMA on the same state
+    "fp32_ema_every_3": dict(dtype=F32, ema_decay=0.9, ema_update_every=3),
+    "bf16_masters_ema_every_3": dict(dtype=BF16, master_weights=True, ema_decay=0.9,
+                                     ema_update_every=3),
+    "fp32_ema_bf16_every_3": dict(dtype=F32, ema_dtype=BF16, ema_decay=0.9, ema_update_every=3),
 }
 
 

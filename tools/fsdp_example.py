@@ -189,14 +189,18 @@ def main():
                   f"held-out loss raw {raw_loss:.4f}, EMA {ema_loss:.4f}")
             print(f"EMA model saved to {path} ({os.path.getsize(path)} bytes), loaded into a "
                   f"plain TinyGPT")
-            ok = same and second == again and math.isfinite(ema_loss) and ema_loss < math.log(VOCAB)
-            print(f"CHECK resume bit-exact: {same and second == again}; EMA export loads: "
-                  f"{math.isfinite(ema_loss)} -> {'OK' if ok else 'FAILED'}")
+        # every rank checks its own shards and run: a failure on any rank fails torchrun
+        ok = same and second == again and math.isfinite(ema_loss) and ema_loss < math.log(VOCAB)
+        if rank == 0 or not ok:
+            print(f"[rank {rank}] CHECK resume bit-exact: {same and second == again}; EMA "
+                  f"export loads: {math.isfinite(ema_loss)} -> {'OK' if ok else 'FAILED'}")
         dist.barrier()
     finally:
         if rank == 0:
             shutil.rmtree(workdir, ignore_errors=True)
         dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,26 @@ def _is_owned(t: torch.Tensor, layout: FlatLayout, base: int) -> bool:
     return not ref.expired() and owned_layout == layout and owned_base == base
 
 
+def owned_layout(tensors: Sequence[torch.Tensor]) -> Optional[FlatLayout]:
+    """The layout of the buffer this module allocated that ``tensors`` are views of, else None.
+
+    A bucket prepared earlier over the same state (e.g. the EMA and the EMA-free op of one
+    optimizer bucket, whose dtypes may ask for different alignments) left the state in such a
+    buffer; preparing again on that layout aliases it instead of moving the state elsewhere.
+    """
+    filled = [t for t in tensors if t.numel()]
+    if not filled:
+        return None
+    with _owned_lock:
+        entry = _owned.get(_storage_key(filled[0]))
+    if entry is None:
+        return None
+    ref, layout, _ = entry
+    if ref.expired() or layout.shapes != tuple(t.shape for t in tensors):
+        return None
+    return layout
+
+
 def alias(tensors: Sequence[torch.Tensor], layout: FlatLayout, dtype: torch.dtype,
           device: torch.device, *, writable: bool = True) -> Optional[torch.Tensor]:
     """The flat tensor whose views (in ``layout``) ``tensors`` already are, else None.

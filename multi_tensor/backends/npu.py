@@ -290,7 +290,8 @@ class FlatAdamBucket:
             list_dtypes[2] = self.ema_dtype
 
         adopted = flat.FlatLayout.of_views(params) if params else None
-        self.layout = adopted or flat.FlatLayout.packed(self.shapes, flat.align_elements(dtypes))
+        self.layout = (adopted or flat.owned_layout(state_lists[1])
+                       or flat.FlatLayout.packed(self.shapes, flat.align_elements(dtypes)))
         # params that tile one buffer: that buffer (read and written in place / in one copy)
         self.param_region = (flat.alias(params, self.layout, self.param_dtype, self.device)
                              if adopted is not None else None)
