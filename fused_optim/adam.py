@@ -47,11 +47,7 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
             state in the param's dtype, math in fp32.
         maximize: maximize the objective.
         differentiable: not supported: ``True`` raises ``NotImplementedError``.
-        capturable: ``True``: every step runs without a host sync and can be captured in a CUDA
-            graph (the step counters and per-step scalars live on the device; ``lr`` may be a
-            device tensor, read by the kernel, so an LR schedule that updates it in place needs
-            no re-capture). Needs the Triton backend (CUDA) and, with an EMA, a constant decay
-            from step 1; otherwise the first step raises ``ValueError`` naming the param.
+        capturable: ``True``: sync-free, CUDA-graph-capturable steps (as ``FusedEmaAdamW``'s).
         foreach, fused: accepted for compatibility with ``torch.optim.Adam`` (torch's argument
             errors are raised, e.g. both True); the update is always one fused call per bucket.
         fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
@@ -105,11 +101,7 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
         params, lr, betas, eps, weight_decay (default 1e-2), maximize: as ``torch.optim.AdamW``.
         amsgrad, differentiable: accepted for compatibility; ``True`` raises
             ``NotImplementedError``.
-        capturable: ``True``: every step runs without a host sync and can be captured in a CUDA
-            graph (the step counters and per-step scalars live on the device; ``lr`` may be a
-            device tensor, read by the kernel, so an LR schedule that updates it in place needs
-            no re-capture). Needs the Triton backend (CUDA) and, with an EMA, a constant decay
-            from step 1; otherwise the first step raises ``ValueError`` naming the param.
+        capturable: ``True``: sync-free, CUDA-graph-capturable steps (as ``FusedEmaAdamW``'s).
         foreach, fused: accepted and ignored (the update is always one fused call per bucket).
         master_weights: fp16/bf16 params keep an fp32 ``master_param`` (default ``True``);
             ``False``: state in the param's dtype, as torch keeps it.

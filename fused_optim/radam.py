@@ -43,11 +43,7 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
             and the param receives the master rounded once per step. ``False``: state in the
             param's dtype.
         foreach: accepted and ignored. differentiable: ``True`` raises ``NotImplementedError``.
-        capturable: ``True``: every step runs without a host sync and can be captured in a CUDA
-            graph (the step counters and per-step scalars live on the device; ``lr`` may be a
-            device tensor, read by the kernel, so an LR schedule that updates it in place needs
-            no re-capture). Needs the Triton backend (CUDA) and, with an EMA, a constant decay
-            from step 1; otherwise the first step raises ``ValueError`` naming the param.
+        capturable: ``True``: sync-free, CUDA-graph-capturable steps (as ``FusedEmaAdamW``'s).
         fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
             kernel (no extra pass). ``False``: the scaler unscales the grads itself before
             ``step()``, for code that clips or inspects grads in between (Lightning's

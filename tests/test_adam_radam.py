@@ -175,22 +175,6 @@ def test_fused_adamw_matches_torch(mt_backend, groups):
                        ADAM_GROUPS[groups], torch_decay_bias=True)
 
 
-@pytest.mark.parametrize("groups", list(ADAM_GROUPS), ids=list(ADAM_GROUPS))
-def test_adamw_matches_exact_math_better_than_torch(mt_backend, groups):
-    """fp32 FusedAdamW vs torch AdamW run in float64: plain fp32 tolerance, no bias allowance."""
-    values = init_values()
-    pf, p64 = params_of(values), params_of([v.double() for v in values])
-    of = FusedAdamW(split_groups(pf, ADAM_GROUPS[groups]), lr=2e-3)
-    o64 = torch.optim.AdamW(split_groups(p64, ADAM_GROUPS[groups]), lr=2e-3)
-    run(of, pf, STEPS)
-    for t in range(STEPS):
-        for p, g in zip(p64, grads_at(t)):
-            p.grad = g.double()
-        o64.step()
-    for i, (a, b) in enumerate(zip(pf, p64)):
-        assert_close(a.double(), b, f"param {i}")
-
-
 def test_fused_adamw_defaults_and_groups_like_torch():
     p = torch.nn.Parameter(torch.zeros(3))
     ours, theirs = FusedAdamW([p]), torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
@@ -232,6 +216,30 @@ RADAM_GROUPS = {
 }
 
 
+EXACT_MATH_CASES = {
+    **{f"adamw-{k}": (FusedAdamW, torch.optim.AdamW, v) for k, v in ADAM_GROUPS.items()},
+    **{f"radam-{k}": (FusedRAdam, torch.optim.RAdam, v) for k, v in RADAM_GROUPS.items()},
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT_MATH_CASES))
+def test_matches_exact_math_better_than_torch(mt_backend, case):
+    """fp32 FusedAdamW/FusedRAdam vs torch's AdamW/RAdam run in float64: plain fp32 tolerance,
+    no bias allowance."""
+    fused_cls, torch_cls, groups = EXACT_MATH_CASES[case]
+    values = init_values()
+    pf, p64 = params_of(values), params_of([v.double() for v in values])
+    of = fused_cls(split_groups(pf, groups), lr=2e-3)
+    o64 = torch_cls(split_groups(p64, groups), lr=2e-3)
+    run(of, pf, STEPS)
+    for t in range(STEPS):
+        for p, g in zip(p64, grads_at(t)):
+            p.grad = g.double()
+        o64.step()
+    for i, (a, b) in enumerate(zip(pf, p64)):
+        assert_close(a.double(), b, f"param {i}")
+
+
 def has_decoupled(group_options) -> bool:
     return any(g.get("decoupled_weight_decay") and g.get("weight_decay") for g in group_options)
 
@@ -250,22 +258,6 @@ def test_fused_radam_matches_torch(mt_backend, groups):
         max_p = max(p.detach().abs().max().item() for g in ot.param_groups for p in g["params"])
         bound += STEPS * decay_factor_rounding(ot) * max_p
     assert diff < bound
-
-
-@pytest.mark.parametrize("groups", list(RADAM_GROUPS), ids=list(RADAM_GROUPS))
-def test_radam_matches_exact_math_better_than_torch(mt_backend, groups):
-    """fp32 FusedRAdam vs torch RAdam run in float64: plain fp32 tolerance, no bias allowance."""
-    values = init_values()
-    pf, p64 = params_of(values), params_of([v.double() for v in values])
-    of = FusedRAdam(split_groups(pf, RADAM_GROUPS[groups]), lr=2e-3)
-    o64 = torch.optim.RAdam(split_groups(p64, RADAM_GROUPS[groups]), lr=2e-3)
-    run(of, pf, STEPS)
-    for t in range(STEPS):
-        for p, g in zip(p64, grads_at(t)):
-            p.grad = g.double()
-        o64.step()
-    for i, (a, b) in enumerate(zip(pf, p64)):
-        assert_close(a.double(), b, f"param {i}")
 
 
 def test_fused_radam_with_ema_matches_torch_plus_hand_ema(mt_backend):
