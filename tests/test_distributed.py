@@ -188,14 +188,19 @@ def _scenario_ddp(rank, _):
             _equal(eager_opt.state[p][key], compiled_opt.state[q][key], f"compiled step: {name} {key}")
 
 
+# per-scenario optimizer options beside OPT: an EMA kept in bf16 and updated every other step
+EXTRA_OPTIONS = {"fp32_bf16_ema_every_2": dict(ema_update_every=2, ema_dtype=torch.bfloat16)}
+
+
 def _scenario_fsdp(rank, precision):
     """FSDP2 vs a plain run fed the gathered grads, bitwise; native kernel on the shards."""
     from torch.distributed.tensor import DTensor
 
     model, plain = _sharded(0, precision)
     dtype = torch.bfloat16 if precision == "bf16_masters" else torch.float32
-    opt = FusedEmaAdamW(model.parameters(), **OPT)
-    ref = FusedEmaAdamW(plain.parameters(), **OPT)
+    options = dict(OPT, **EXTRA_OPTIONS.get(precision, {}))
+    opt = FusedEmaAdamW(model.parameters(), **options)
+    ref = FusedEmaAdamW(plain.parameters(), **options)
     named = dict(model.named_parameters())
     for step in range(4):
         x, y = _data(step, rank, dtype)
@@ -254,7 +259,7 @@ def _scenario_fsdp(rank, precision):
 
 
 def _scenario_fsdp_all(rank, _):
-    for precision in ("fp32", "mixed", "bf16_masters"):
+    for precision in ("fp32", "mixed", "bf16_masters", "fp32_bf16_ema_every_2"):
         _scenario_fsdp(rank, precision)
     _scenario_clip(rank, None)
 
