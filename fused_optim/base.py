@@ -248,7 +248,21 @@ def _real_view(t: torch.Tensor) -> torch.Tensor:
 
 
 class FusedOptimizerBase(torch.optim.Optimizer):
-    """Base class of the fused multi-tensor optimizers (see the module docstring)."""
+    """Base class of the fused multi-tensor optimizers (see the module docstring).
+
+    Options every fused optimizer takes:
+
+        fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
+            kernel (no extra pass). ``False``: the scaler unscales the grads itself before
+            ``step()``, for code that clips or inspects grads in between (Lightning's
+            ``gradient_clip_val``).
+        max_grad_norm: clip the grads to this global L2 norm (of the unscaled grads, over every
+            param with a grad, as ``torch.nn.utils.clip_grad_norm_``): one multi-tensor l2norm
+            launch per bucket, and the clip factor folded into the kernel's grad multiplier (no
+            extra pass over the grads). A non-finite norm skips the step. ``last_grad_norm``
+            holds the norm of the last step.
+        chunk_size: elements per unit of parallel work (never changes a result).
+    """
 
     _step_supports_amp_scaling = True
     _supports_complex = False  # complex64/complex128 params, run as real views

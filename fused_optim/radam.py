@@ -44,16 +44,9 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
             param's dtype.
         foreach: accepted and ignored. differentiable: ``True`` raises ``NotImplementedError``.
         capturable: ``True``: sync-free, CUDA-graph-capturable steps (as ``FusedEmaAdamW``'s).
-        fused_unscale: ``True`` (default): ``torch.amp.GradScaler`` leaves the unscale to the
-            kernel (no extra pass). ``False``: the scaler unscales the grads itself before
-            ``step()``, for code that clips or inspects grads in between (Lightning's
-            ``gradient_clip_val``).
-        max_grad_norm: clip the grads to this global L2 norm (of the unscaled grads, over every
-            param with a grad, as ``torch.nn.utils.clip_grad_norm_``): one multi-tensor l2norm
-            launch per bucket, and the clip factor folded into the kernel's grad multiplier (no
-            extra pass over the grads). A non-finite norm skips the step. ``last_grad_norm``
-            holds the norm of the last step.
-        chunk_size: elements per unit of parallel work (never changes a result).
+        fused_unscale, max_grad_norm, chunk_size: the options every fused optimizer takes (the
+            unscale in the kernel, global-norm clipping folded into it, the unit of parallel
+            work); see :class:`fused_optim.base.FusedOptimizerBase`.
 
     State per param: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` (as torch),
     ``ema`` with an ``ema_decay``, ``master_param`` for fp16/bf16 params with master weights.
