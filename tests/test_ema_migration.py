@@ -422,6 +422,18 @@ def test_ema_pytorch_update_model_with_ema_every_with_beta_zero():
 
 
 # --- MindSpeed FusedEmaAdamW ---------------------------------------------------------------------
+def train_beside_mindspeed(model, params, opt, ema, steps):
+    """Our steps, MindSpeed's EMA fed each step's params before and after: the decays agree
+    at every step, the EMAs at the end."""
+    for t in steps:
+        before = [p.detach().clone() for p in params]
+        train_step(model, opt, t)
+        ema.step(before, params)
+        assert opt.last_ema_decays == {(0, t): ema.last_decay}, t
+    for i, p in enumerate(params):
+        assert_close(opt.state[p]["ema"], ema.ema_params[i], f"param {i}")
+
+
 @pytest.mark.parametrize("peer_kw,our_kw", [
     (dict(), dict(ema_decay=0.9999, ema_schedule="warmup")),                          # defaults
     (dict(ema_decay=0.8), dict(ema_decay=0.8, ema_schedule="warmup")),   # cap from n = 35
@@ -432,13 +444,7 @@ def test_mindspeed_fused_ema_adamw(peer_kw, our_kw, backend):
     params = trainable(model)
     opt = FusedEmaAdamW(params, lr=1e-2, **our_kw)
     ema = MindSpeedEma(**peer_kw)
-    for t in range(1, 61):
-        before = [p.detach().clone() for p in params]
-        train_step(model, opt, t)
-        ema.step(before, params)
-        assert opt.last_ema_decays == {(0, t): ema.last_decay}, t
-    for i, p in enumerate(params):
-        assert_close(opt.state[p]["ema"], ema.ema_params[i], f"param {i}")
+    train_beside_mindspeed(model, params, opt, ema, range(1, 61))
 
 
 def test_mindspeed_step_matches_its_operator_loop():
@@ -481,22 +487,13 @@ def test_mindspeed_resume_restarts_num_updates():
     params = trainable(model)
     opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.999, ema_schedule="warmup")
     ema = MindSpeedEma(ema_decay=0.999)
-    for t in range(1, 11):
-        before = [p.detach().clone() for p in params]
-        train_step(model, opt, t)
-        ema.step(before, params)
+    train_beside_mindspeed(model, params, opt, ema, range(1, 11))
     saved = copy.deepcopy(opt.state_dict())
     resumed = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.999, ema_schedule="warmup")
     resumed.load_state_dict(saved)
     resumed.set_ema_schedule(ema_start_step=10)
     ema.num_updates = 0                                   # a new MindSpeed optimizer object
-    for t in range(11, 31):
-        before = [p.detach().clone() for p in params]
-        train_step(model, resumed, t)
-        ema.step(before, params)
-        assert resumed.last_ema_decays == {(0, t): ema.last_decay}, t
-    for i, p in enumerate(params):
-        assert_close(resumed.state[p]["ema"], ema.ema_params[i], f"param {i}")
+    train_beside_mindspeed(model, params, resumed, ema, range(11, 31))
     # the compat helper does the same for a torch state dict
     torch_opt = torch.optim.AdamW(params, lr=1e-2)
     torch_opt.load_state_dict(resumed.torch_state_dict())

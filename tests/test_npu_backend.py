@@ -257,14 +257,17 @@ def test_megatron_style_flat_params_and_grads_copy_nothing(standin):
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = FusedEmaAdamW(params, weight_decay=0.1, lr=1e-2)
     ropt = FusedEmaAdamW(ref, weight_decay=0.1, lr=1e-2)
-    for k in range(4):
-        gbuf.copy_(torch.randn(gbuf.shape, generator=torch.Generator().manual_seed(k)))
+    def step_both():
         for p, q, g in zip(params, ref, grads):
             p.grad, q.grad = g, g.clone()
         with forced_backend(STANDIN):
             opt.step()
         with forced_backend("reference"):
             ropt.step()
+
+    for k in range(4):
+        gbuf.copy_(torch.randn(gbuf.shape, generator=torch.Generator().manual_seed(k)))
+        step_both()
     (bucket,) = buckets(opt)
     assert bucket.param_region is not None and bucket.layout.gap_free
     assert bucket.layout.offsets == (9, 4, 0)
@@ -273,12 +276,7 @@ def test_megatron_style_flat_params_and_grads_copy_nothing(standin):
     assert_same(params, opt, ref, ropt)
     # a param reallocated behind the optimizer's back: noticed at bind, the plan is rebuilt
     params[1].data = params[1].data.clone()
-    for p, q, g in zip(params, ref, grads):
-        p.grad, q.grad = g, g.clone()
-    with forced_backend(STANDIN):
-        opt.step()
-    with forced_backend("reference"):
-        ropt.step()
+    step_both()
     (bucket,) = buckets(opt)
     assert bucket.param_region is None
     assert_same(params, opt, ref, ropt)
