@@ -71,12 +71,6 @@ STEP_BITS = 32  # the device step counter's binary exponentiation covers steps <
 # ---------------------------------------------------------------------------------------------
 # element helpers
 
-@triton.constexpr_function
-def _per_16_bytes(dt):
-    """Elements of dtype code ``dt`` in 16 bytes: the alignment hint of a 128-bit access."""
-    return 16 // ELEMENT_SIZE[int(dt)]
-
-
 @triton.jit
 def _ld(base, delta, offs, mask, DT: tl.constexpr, MATH: tl.constexpr):
     """Load elements ``base[delta + offs]`` of dtype code DT, converted exactly to MATH."""
@@ -182,10 +176,10 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
     IS64: tl.constexpr = P_DT == 3
     MATH: tl.constexpr = tl.float64 if P_DT == 3 else tl.float32
     NL: tl.constexpr = 4 + EMA + MASTER
-    VG: tl.constexpr = _per_16_bytes(G_DT)
-    VP: tl.constexpr = _per_16_bytes(P_DT)
-    VS: tl.constexpr = _per_16_bytes(S_DT)
-    VE: tl.constexpr = _per_16_bytes(E_DT)
+    VG: tl.constexpr = 8 if G_DT == 1 or G_DT == 2 else (2 if G_DT == 3 else 4)
+    VP: tl.constexpr = 8 if P_DT == 1 or P_DT == 2 else (2 if P_DT == 3 else 4)
+    VS: tl.constexpr = 8 if S_DT == 1 or S_DT == 2 else (2 if S_DT == 3 else 4)
+    VE: tl.constexpr = 8 if E_DT == 1 or E_DT == 2 else (2 if E_DT == 3 else 4)
     pid = tl.program_id(0).to(tl.int64)
     n = n_chunks.to(tl.int64)
     g_d = tl.load(table + pid)
@@ -341,8 +335,8 @@ def _scale_kernel(table, n_chunks, chunk, src_base, dst_base, factor, noop,
     """dst = round(opmath(src) * opmath(scale)); opmath is fp64 if either side is fp64."""
     IS64: tl.constexpr = S_DT == 3 or D_DT == 3
     MATH: tl.constexpr = tl.float64 if IS64 else tl.float32
-    VS: tl.constexpr = _per_16_bytes(S_DT)
-    VD: tl.constexpr = _per_16_bytes(D_DT)
+    VS: tl.constexpr = 8 if S_DT == 1 or S_DT == 2 else (2 if S_DT == 3 else 4)
+    VD: tl.constexpr = 8 if D_DT == 1 or D_DT == 2 else (2 if D_DT == 3 else 4)
     pid = tl.program_id(0).to(tl.int64)
     n = n_chunks.to(tl.int64)
     s_d = tl.load(table + pid)
