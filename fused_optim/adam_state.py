@@ -139,12 +139,12 @@ class AdamStateMixin:
         return (self._has_ema(group), bool(group.get("master_weights", False)),
                 ema_schedules.update_every(group), group.get("ema_dtype"))
 
-    def _ema_skipping(self, group: Dict[str, Any], state_lists) -> Optional[tuple]:
-        """With ``ema_update_every = k > 1``: the no-EMA op on ``[params, m, v(, masters)]``."""
+    def _ema_skipping(self, group: Dict[str, Any], lists: schema.AdamLists) -> Optional[tuple]:
+        """With ``ema_update_every = k > 1``: the no-EMA op on the lists without the EMA."""
         every = ema_schedules.update_every(group)
         if not self._has_ema(group) or every == 1:
             return None
-        return every, schema.adam_op(self._rule, False), state_lists[:3] + state_lists[4:]
+        return every, schema.adam_op(self._rule, False), lists.without_ema()
 
     def _step_dependent(self, group: Dict[str, Any]) -> bool:
         """An EMA schedule other than a constant decay from step 1, or an EMA updated every k > 1
@@ -209,11 +209,11 @@ class AdamStateMixin:
             elif value.dtype != dtype:
                 state[key] = value.to(dtype=dtype)
 
-    def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> List[List[torch.Tensor]]:
+    def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> schema.AdamLists:
         states = [self.state[p] for p in params]
-        lists = [list(params), [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
-        if self._has_ema(group):
-            lists.append([s["ema"] for s in states])
-        if self._uses_master(params[0], group):
-            lists.append([s["master_param"] for s in states])
-        return lists
+        return schema.AdamLists(
+            grads=None, params=list(params), exp_avgs=[s["exp_avg"] for s in states],
+            exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+            emas=[s["ema"] for s in states] if self._has_ema(group) else None,
+            masters=([s["master_param"] for s in states]
+                     if self._uses_master(params[0], group) else None))

@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from multi_tensor import multi_tensor_applier, rules, schema, validation
+from multi_tensor import multi_tensor_applier, plan, rules, schema, validation
 from multi_tensor.backends import registry
 from multi_tensor.bucketing import group_indices, is_dtensor, local_shard, shard_layout
 
@@ -169,12 +169,10 @@ def _present(grads) -> tuple:
     return tuple(i for i, g in enumerate(grads) if g is not None)
 
 
-def _local_lists(owner: str, spec: schema.OpSpec, layout, rows: List[int], lists):
+def _local_lists(owner: str, layout, rows: List[int], lists: schema.AdamLists) -> schema.AdamLists:
     """A DTensor bucket's lists as local shards; every tensor must be sharded like the params
     (state made by ``zeros_like``/``clone`` of a param, or loaded by DCP, is)."""
-    form = spec.form(len(lists))
-    names = form.names if form is not None else tuple(f"list{i}" for i in range(len(lists)))
-    for tensors, list_name in zip(lists, names):
+    for list_name, tensors in lists.present():
         for i, t in zip(rows, tensors):
             if shard_layout(t) != layout:
                 what = "a plain tensor" if not is_dtensor(t) else (
@@ -184,7 +182,7 @@ def _local_lists(owner: str, spec: schema.OpSpec, layout, rows: List[int], lists
                     f"DTensor on {layout[0]} with placements {layout[1]}; optimizer state and "
                     f"grads of a sharded param must be sharded like it (load a sharded "
                     f"checkpoint with torch.distributed.checkpoint's set_optimizer_state_dict)")
-    return [[local_shard(t) for t in tensors] for tensors in lists]
+    return lists.map(local_shard)
 
 
 def _sum_over_shards(square: torch.Tensor, layout) -> torch.Tensor:
@@ -292,11 +290,16 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: Dict[str, Any], state: Dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> List[List[torch.Tensor]]:
+    def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> schema.AdamLists:
         raise NotImplementedError
 
     def _hyper(self, group: Dict[str, Any], step: int) -> rules.AdamHyper:
         raise NotImplementedError
+
+    @staticmethod
+    def _uses_master(p: torch.Tensor, group: Dict[str, Any]) -> bool:
+        """Whether ``p`` keeps an fp32 master (part of its bucket key)."""
+        return False
 
     def _check_group(self, group: Dict[str, Any]) -> None:
         """Raise if a group option is invalid (before any tensor is modified)."""
@@ -305,9 +308,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """Group options the bound lists depend on; when they change, the plan is rebuilt."""
         return None
 
-    def _ema_skipping(self, group: Dict[str, Any], state_lists) -> Optional[tuple]:
-        """``(k, op, state lists)`` when the group updates its EMA only every ``k > 1`` steps: the
-        op and lists (without the EMA) of the steps in between; None otherwise."""
+    def _ema_skipping(self, group: Dict[str, Any], lists: schema.AdamLists) -> Optional[tuple]:
+        """``(k, op, lists)`` when the group updates its EMA only every ``k > 1`` steps: the op
+        and lists (without the EMA) of the steps in between; None otherwise."""
         return None
 
     def _step_dependent(self, group: Dict[str, Any]) -> bool:
@@ -548,35 +551,35 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 raise TypeError(f"{name}: param of dtype {params[i].dtype} has a grad of dtype "
                                 f"{g.dtype}; a complex param needs a complex grad")
         spec = self._op(group)
-        # a DTensor's (mesh, placements) is part of the key: a bucket runs on local shards cut alike
-        keys = [(params[i].device, params[i].dtype, grads[i].dtype, self._step_of(params[i]),
-                 shard_layout(params[i])) for i in present]
+        keys = [plan.bucket_key(params[i], grads[i], master=self._uses_master(params[i], group),
+                                step=self._step_of(params[i]), layout=shard_layout(params[i]))
+                for i in present]
         checked = []
         for key, rows in group_indices(keys).items():
             rows = [present[k] for k in rows]
             bucket_params = [params[i] for i in rows]
             for p in bucket_params:
                 self._init_state(p, group, self.state[p])
-            lists = [[grads[i] for i in rows]] + self._state_lists(bucket_params, group)
+            lists = self._state_lists(bucket_params, group).with_grads([grads[i] for i in rows])
             layout = key[-1]
             if layout is not None:
-                lists = _local_lists(name, spec, layout, rows, lists)
+                lists = _local_lists(name, layout, rows, lists)
             if bucket_params[0].is_complex():
-                lists = [[_real_view(t) for t in tensors] for tensors in lists]
-            variants = [(1, spec, lists[1:])]
-            skipping = self._ema_skipping(group, lists[1:])
+                lists = lists.map(_real_view)
+            variants = [(1, spec, lists)]
+            skipping = self._ema_skipping(group, lists)
             if skipping is not None:
                 variants.append(skipping)
             bound = []
-            for every, op, state_lists in variants:
-                form = schema.check_lists(op, lists[:1] + state_lists)
-                bound.append((every, op, state_lists,
-                              schema.backend_for_lists(op, lists[:1] + state_lists, form)))
+            for every, op, op_lists in variants:
+                schema.check_adam_lists(op, op_lists)
+                bound.append((every, op, op_lists.state(),
+                              schema.backend_for_lists(op, op_lists.present())))
             checked.append((rows, bucket_params, bound, layout))
         buckets = []
         for rows, bucket_params, bound, layout in checked:
-            prepared = [backend.prepare_bucket(op.name, state_lists, self._chunk_size)
-                        for _, op, state_lists, backend in bound]
+            prepared = [backend.prepare_bucket(op.name, state, self._chunk_size)
+                        for _, op, state, backend in bound]
             all_rows = len(rows) == len(params) and rows == list(range(len(params)))
             device_steps = (hasattr(prepared[0], "run_device_step")
                             and not self._step_dependent(group))

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from multi_tensor import schema, validation
+from multi_tensor import plan, schema, validation
 from multi_tensor.bucketing import group_indices
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.fused_optim.adam_step_)
@@ -129,19 +129,20 @@ def init_group(opt, grads, params, exp_avgs, exp_avg_sqs, emas, masters, steps, 
             lr_index = len(lrs)
             lrs.append(group["lr"])
         hyper = _hyper(opt, group)
-        keys = [(p.device, p.dtype, p.grad.dtype, opt._uses_master(p, group)) for p in present]
+        # steps are read when the op runs, which splits a bucket by step itself
+        keys = [plan.bucket_key(p, p.grad, master=opt._uses_master(p, group)) for p in present]
         for rows in group_indices(keys).values():
             bucket_params = [present[i] for i in rows]
             for p in bucket_params:
                 opt._init_state(p, group, opt.state[p])
-            state_lists = opt._state_lists(bucket_params, group)
-            bucket_grads = [p.grad for p in bucket_params]
-            form = schema.check_lists(spec, [bucket_grads] + state_lists)
+            lists = opt._state_lists(bucket_params, group).with_grads(
+                [p.grad for p in bucket_params])
+            schema.check_adam_lists(spec, lists)
             start, ema_start, master_start = len(params), len(emas), len(masters)
-            grads.extend(bucket_grads)
-            for name, tensors in zip(form.names[1:], state_lists):
-                {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
-                 "emas": emas, "masters": masters}[name].extend(tensors)
+            out = {"grads": grads, "params": params, "exp_avgs": exp_avgs,
+                   "exp_avg_sqs": exp_avg_sqs, "emas": emas, "masters": masters}
+            for name, tensors in lists.present():
+                out[name].extend(tensors)
             for p in bucket_params:
                 steps.append(_own_step(opt.state[p], seen_steps))
             buckets.append((spec.name, (start, len(params)), (ema_start, len(emas)),

@@ -26,8 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from multi_tensor import rules, schema
-from multi_tensor.backends import registry
+from multi_tensor import plan, rules, schema
 from multi_tensor.bucketing import group_indices
 
 from . import ema_schedules
@@ -56,13 +55,13 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
     if not params or (found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0)):
         return
     spec = schema.OPS[op]
-    lists = [grads, params, exp_avgs, exp_avg_sqs] + ([emas] if spec.has_ema else []) \
-        + ([masters] if masters else [])
+    lists = schema.AdamLists(grads=grads, params=params, exp_avgs=exp_avgs,
+                             exp_avg_sqs=exp_avg_sqs, emas=emas if spec.has_ema else None,
+                             masters=masters or None)
     device = params[0].device
-    backend = registry.backend_for(op, device)
     scale = None if grad_scale is None else grad_scale.to(device)
     lr_value = lr if lr_tensor is None else float(lr_tensor)
-    counts = torch.stack(steps).tolist()
+    counts = torch.stack(steps).tolist()  # one host read for the bucket
     by_step = ({int(counts[0]): None} if min(counts) == max(counts)  # the usual case
                else group_indices(int(c) for c in counts))
     for done, rows in by_step.items():
@@ -71,15 +70,18 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
             t, ema_decay, ema_schedule, ema_start_step, ema_inv_gamma, ema_power, ema_min_decay,
             ema_update_every, owner=op)
         # a step that ema_update_every skips runs the op without the EMA (no EMA bytes moved)
-        run_op, run_lists = (op, lists) if decay is not None or not spec.has_ema else (
-            schema.adam_op(spec.rule, False).name, lists[:4] + lists[5:])
+        run_spec, run_lists = (spec, lists) if decay is not None or not spec.has_ema else (
+            schema.adam_op(spec.rule, False), lists.without_ema())
         hyper = rules.AdamHyper(lr=lr_value, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=weight_decay, decoupled=decoupled,
                                 bias_correction=bias_correction, maximize=maximize,
                                 ema_decay=decay, rule=spec.rule)
-        rows_lists = run_lists if rows is None else [[ts[i] for i in rows] for ts in run_lists]
-        backend.ops[run_op](chunk_size, _noop_flag(device), rows_lists, rules.step_scalars(hyper, t),
-                        scale, False)
+        if rows is not None:
+            run_lists = run_lists.take(rows)
+        # checked when the step was compiled (compiled.init_group); the prepared bucket is
+        # reused across steps (multi_tensor.plan's cache)
+        plan.run_adam(run_spec, run_lists, hyper, t, _noop_flag(device), scale,
+                      chunk_size=chunk_size, checked=True)
     torch._foreach_add_(steps, 1.0)
 
 

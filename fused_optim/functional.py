@@ -5,8 +5,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from multi_tensor import multi_tensor_applier, multi_tensor_fused_ema_adamw, schema, validation
-from multi_tensor.bucketing import bucket_tensor_lists
+from multi_tensor import (multi_tensor_applier, multi_tensor_fused_ema_adamw, plan, rules, schema,
+                          validation)
+from multi_tensor.bucketing import group_indices
 
 _NOOP_FLAGS: Dict[torch.device, torch.Tensor] = {}
 
@@ -75,31 +76,51 @@ def fused_ema_adamw(params: List[torch.Tensor], grads: List[torch.Tensor],
     bucketed by ``(device, dtype, grad dtype, master, step)``; one engine call per bucket. The
     math is :func:`npu_apply_fused_ema_adamw`'s.
     """
+    op = "fused_ema_adamw"
     n = len(params)
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "emas": emas,
-             "state_steps": state_steps}
     if masters is None:
         masters = [None] * n
-    lists["masters"] = masters
-    for name, values in lists.items():
+    for name, values in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                         ("emas", emas), ("state_steps", state_steps), ("masters", masters)):
+        if not isinstance(values, (list, tuple)):
+            raise TypeError(f"{op}: {name} must be a list, got {type(values).__name__}")
         if len(values) != n:
-            raise ValueError(f"fused_ema_adamw: {name} has {len(values)} entries but params has {n}")
+            raise ValueError(f"{op}: {name} has {len(values)} entries but params has {n}")
+    for i, t in enumerate(state_steps):
+        if not isinstance(t, torch.Tensor) or t.numel() != 1:
+            raise TypeError(f"{op}: state_steps[{i}] must be a 1-element tensor")
+    if not n:
+        return
     if found_inf is not None and bool(found_inf.item() != 0):
         return
-    steps = [validation.check_step("fused_ema_adamw", int(t.item()) + 1) for t in state_steps]
-    keys = [(p.device, p.dtype, g.dtype, mt is not None, st)
+    # every step count in one host read (a stack, then one transfer), not one per param
+    counts = torch.stack([t.detach().reshape(()).to(device="cpu", dtype=torch.float64)
+                          for t in state_steps]).tolist()
+    steps = [validation.check_step(op, int(c) + 1 if float(c).is_integer() else c + 1)
+             for c in counts]
+    spec = schema.OPS[op]
+    hyper = rules.AdamHyper(
+        lr=validation.real(op, "lr", lr), beta1=validation.real(op, "beta1", beta1),
+        beta2=validation.real(op, "beta2", beta2), eps=validation.real(op, "eps", eps),
+        weight_decay=validation.real(op, "weight_decay", weight_decay),
+        decoupled=bool(adam_w_mode), bias_correction=bool(bias_correction),
+        maximize=bool(maximize), ema_decay=validation.real(op, "ema_decay", ema_decay))
+    validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
+                                     ema_decay=ema_decay, weight_decay=weight_decay)
+    keys = [plan.bucket_key(p, g, master=mt is not None, step=st)
             for p, g, mt, st in zip(params, grads, masters, steps)]
-    buckets = bucket_tensor_lists([grads, params, exp_avgs, exp_avg_sqs, emas, masters],
-                                  key=keys.__getitem__)
+    everything = schema.AdamLists(grads=list(grads), params=list(params), exp_avgs=list(exp_avgs),
+                                  exp_avg_sqs=list(exp_avg_sqs), emas=list(emas),
+                                  masters=list(masters))
     calls = []
-    for (device, _, _, has_master, step), bucket_lists in buckets.items():
-        tensor_lists = bucket_lists if has_master else bucket_lists[:5]
-        schema.check_lists(schema.OPS["fused_ema_adamw"], tensor_lists)
-        calls.append((device, step, tensor_lists))
-    for device, step, tensor_lists in calls:
-        multi_tensor_fused_ema_adamw(
-            chunk_size, _noop_flag(device), tensor_lists, lr, ema_decay, beta1, beta2, eps, step,
-            1 if adam_w_mode else 0, bias_correction, weight_decay,
-            grad_scale=None if grad_scale is None else grad_scale.to(device), maximize=maximize)
-    for t in state_steps:
-        t.add_(1)
+    for (device, _, _, has_master, step, _), rows in group_indices(keys).items():
+        lists = everything.take(rows)
+        if not has_master:
+            lists = lists.replace(masters=None)
+        schema.check_adam_lists(spec, lists)  # every bucket checked before any runs
+        calls.append((device, step, lists))
+    for device, step, lists in calls:
+        plan.run_adam(spec, lists, hyper, step, _noop_flag(device),
+                      None if grad_scale is None else grad_scale.to(device),
+                      chunk_size=chunk_size, checked=True)
+    torch._foreach_add_(list(state_steps), 1)

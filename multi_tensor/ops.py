@@ -1,9 +1,11 @@
-"""The apex-compatible op front ends: positional signatures, checked once, then the backend.
+"""The apex-compatible op front ends: positional signatures, checked once, then the plan.
 
-Each front end checks its scalars and lists against the op table (:mod:`multi_tensor.schema`)
-before any tensor is modified, turns its positional hyperparameters into an
-:class:`~multi_tensor.rules.AdamHyper` and the step's :class:`~multi_tensor.rules.StepScalars`,
-and hands the call to the backend registered for the bucket's device. Call them through
+This is the one place where lists are told apart by their number: each Adam-family front end
+maps apex's positional ``tensor_lists`` to a :class:`multi_tensor.schema.AdamLists` by the op's
+:data:`POSITIONAL` forms, checks its scalars and lists before any tensor is modified, turns its
+positional hyperparameters into an :class:`~multi_tensor.rules.AdamHyper` and hands the call to
+:func:`multi_tensor.plan.run_adam` (the backend registered for the bucket's device, a prepared
+bucket reused across calls on the same tensors). Call them through
 ``multi_tensor_applier(op, noop_flag, tensor_lists, *args)`` or directly with a chunk size first.
 """
 from __future__ import annotations
@@ -13,7 +15,31 @@ from typing import Optional
 
 import torch
 
-from . import rules, schema, validation
+from . import plan, rules, schema, validation
+
+_ADAM = ("grads", "params", "exp_avgs", "exp_avg_sqs")
+# The positional forms of apex's signatures, by op: the lists' names, by position.
+POSITIONAL = {
+    "fused_ema_adamw": (_ADAM + ("emas",), _ADAM + ("emas", "masters")),
+    "adam": (_ADAM, _ADAM + ("masters",)),
+    "radam": (_ADAM, _ADAM + ("masters",)),
+    "radam_ema": (_ADAM + ("emas",), _ADAM + ("emas", "masters")),
+}
+
+
+def named_lists(spec, tensor_lists) -> schema.AdamLists:
+    """apex's positional ``tensor_lists`` of op ``spec`` (an OpSpec or its name) by name; raises
+    on a count no form of the op has."""
+    spec = schema.OPS[spec] if isinstance(spec, str) else spec
+    op = spec.api_name
+    validation.check_list_of_lists(op, tensor_lists)
+    forms = POSITIONAL[spec.name]
+    for names in forms:
+        if len(names) == len(tensor_lists):
+            return schema.AdamLists(**dict(zip(names, (list(ts) for ts in tensor_lists))))
+    raise ValueError(f"{op}: tensor_lists must be "
+                     + " or ".join(f"[{', '.join(names)}]" for names in forms)
+                     + f"; got {len(tensor_lists)} lists")
 
 
 def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, grad_scale,
@@ -23,13 +49,17 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
     op = spec.api_name
     validation.check_chunk_size(op, chunk_size)
     validation.check_list_of_lists(op, tensor_lists)
+    if spec.has_ema and ema_decay is None:
+        # Five lists with no decay would read as [grads, params, m, v, masters] to an op without
+        # the EMA and as [..., emas] to this one: refused, the same on every backend.
+        raise ValueError(f"{op}: ema_decay is None; this op updates an EMA and needs an "
+                         f"ema_decay in [0, 1) (for the update without an EMA, call "
+                         f"{schema.adam_op(spec.rule, False).api_name})")
     validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
                                      ema_decay=ema_decay, weight_decay=weight_decay)
     step = validation.check_step(op, step)
-    form = schema.check_lists(spec, tensor_lists)
-    backend = schema.backend_for_lists(spec, tensor_lists, form)
-    if backend is None:
-        return
+    lists = named_lists(spec, tensor_lists)
+    schema.check_adam_lists(spec, lists)
     number = functools.partial(validation.real, op)
     hyper = rules.AdamHyper(
         lr=number("lr", lr), beta1=number("beta1", beta1), beta2=number("beta2", beta2),
@@ -37,8 +67,8 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
         decoupled=bool(decoupled), bias_correction=bool(bias_correction),
         maximize=bool(maximize),
         ema_decay=None if ema_decay is None else number("ema_decay", ema_decay), rule=spec.rule)
-    backend.ops[spec.name](chunk_size, noop_flag, tensor_lists, rules.step_scalars(hyper, step),
-                           grad_scale, bool(check_finite))
+    plan.run_adam(spec, lists, hyper, step, noop_flag, grad_scale, check_finite, chunk_size,
+                  checked=True)
 
 
 def _mode(op: str, mode) -> bool:
@@ -127,7 +157,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     spec = schema.OPS["scale"]
     validation.check_chunk_size(spec.api_name, chunk_size)
     form = schema.check_lists(spec, tensor_lists)
-    backend = schema.backend_for_lists(spec, tensor_lists, form)
+    backend = schema.backend_for_lists(spec, zip(form.names, tensor_lists))
     if backend is not None:
         backend.ops["scale"](chunk_size, noop_flag, tensor_lists, float(scale))
 
@@ -141,7 +171,7 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     spec = schema.OPS["l2norm"]
     validation.check_chunk_size(spec.api_name, chunk_size)
     form = schema.check_lists(spec, tensor_lists)
-    backend = schema.backend_for_lists(spec, tensor_lists, form)
+    backend = schema.backend_for_lists(spec, zip(form.names, tensor_lists))
     if backend is None:
         backend = schema.registry.backend_for("l2norm", noop_flag.device)
     return backend.ops["l2norm"](chunk_size, noop_flag, tensor_lists, bool(per_tensor))

@@ -1,13 +1,16 @@
-"""The op table: every multi-tensor op's list forms and dtype rules, declared once.
+"""The op table: every multi-tensor op's lists and dtype rules, declared once.
 
-An op is an :class:`OpSpec`. Its list forms are told apart by the number of lists alone; the
-front ends (:mod:`multi_tensor.ops`, the optimizers' plans) check a call's lists against its
-spec with :func:`check_lists` exactly once, before any tensor is modified, and the backends
-trust what passed.
+An op is an :class:`OpSpec`. The Adam family's lists travel by name, as an :class:`AdamLists`
+(grads, params, exp_avgs, exp_avg_sqs, emas or None, masters or None), from the front ends to
+every backend and into the C++: nothing infers a list's role from the number of lists (the apex
+positional signatures are mapped to names once, in :mod:`multi_tensor.ops`). The front ends
+(:mod:`multi_tensor.ops`, :mod:`multi_tensor.plan`, the optimizers) check a call's lists against
+its spec with :func:`check_adam_lists` (:func:`check_lists` for ``scale``/``l2norm``) exactly
+once, before any tensor is modified, and the backends trust what passed.
 
 Adam-family ops (``rule`` set) update ``params`` from ``grads`` and keep ``exp_avgs`` and
-``exp_avg_sqs``; ``emas`` is the EMA of the weights; ``masters`` are fp32 master weights of
-fp16/bf16 params. Their dtype rules:
+``exp_avg_sqs``; ``emas`` is the EMA of the weights (present exactly when the op keeps one);
+``masters`` are fp32 master weights of fp16/bf16/fp32 params (optional). Their dtype rules:
 
 * params: fp16, bf16, fp32 or fp64; all of one list share one dtype;
 * without masters, every state list has the params' dtype; with masters (fp16/bf16/fp32
@@ -20,73 +23,130 @@ fp16/bf16 params. Their dtype rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
 from . import rules, validation
 from .backends import registry
 
-ADAM_LISTS = ("grads", "params", "exp_avgs", "exp_avg_sqs")
 # The EMA storage dtype an fp32-math bucket may keep besides its state dtype.
 REDUCED_EMA_DTYPE = torch.bfloat16
 
 
-@dataclass(frozen=True)
-class ListForm:
-    """One accepted list layout of an op."""
+class AdamLists:
+    """One Adam-family bucket's tensor lists, by name (read by name only: it is not a sequence).
 
-    names: Tuple[str, ...]
+    ``emas`` is None for ops without an EMA (or a step that skips it: :meth:`without_ema`),
+    ``masters`` None without fp32 master weights. ``grads`` is None in the lists a bucket is
+    prepared with (:meth:`state`): grads are bound per step. Row ``i`` of every list belongs to
+    param ``i``. The weights the update runs on are :attr:`weights`: the masters when present,
+    else the params. The C++ and Triton backends read the same attributes.
+    """
 
-    @property
-    def has_master(self) -> bool:
-        return self.names[-1] == "masters"
+    FIELDS = ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters")
+    __slots__ = FIELDS
+
+    def __init__(self, grads: Optional[Sequence[torch.Tensor]], params: Sequence[torch.Tensor],
+                 exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+                 emas: Optional[Sequence[torch.Tensor]] = None,
+                 masters: Optional[Sequence[torch.Tensor]] = None):
+        self.grads = grads
+        self.params = params
+        self.exp_avgs = exp_avgs
+        self.exp_avg_sqs = exp_avg_sqs
+        self.emas = emas
+        self.masters = masters
 
     @property
     def has_ema(self) -> bool:
-        return "emas" in self.names
+        return self.emas is not None
 
-    def index(self, name: str) -> Optional[int]:
-        return self.names.index(name) if name in self.names else None
+    @property
+    def has_master(self) -> bool:
+        return self.masters is not None
+
+    @property
+    def weights(self) -> Sequence[torch.Tensor]:
+        return self.masters if self.masters is not None else self.params
+
+    @property
+    def rows(self) -> int:
+        return len(self.params)
+
+    def present(self) -> Iterator[Tuple[str, Sequence[torch.Tensor]]]:
+        """``(name, list)`` for every list that is there, in field order."""
+        for name in self.FIELDS:
+            tensors = getattr(self, name)
+            if tensors is not None:
+                yield name, tensors
+
+    def replace(self, **changes) -> "AdamLists":
+        values = {name: getattr(self, name) for name in self.FIELDS}
+        values.update(changes)
+        return AdamLists(**values)
+
+    def state(self) -> "AdamLists":
+        """The lists a bucket is prepared with: everything but the grads."""
+        return self.replace(grads=None)
+
+    def with_grads(self, grads: Sequence[torch.Tensor]) -> "AdamLists":
+        return self.replace(grads=grads)
+
+    def without_ema(self) -> "AdamLists":
+        """The lists of the op without the EMA (``ema_update_every``'s in-between steps)."""
+        return self.replace(emas=None)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "AdamLists":
+        """Every tensor of every present list through ``fn`` (a local shard, a real view)."""
+        return AdamLists(**{name: None if ts is None else [fn(t) for t in ts]
+                            for name, ts in ((n, getattr(self, n)) for n in self.FIELDS)})
+
+    def take(self, rows: Sequence[int]) -> "AdamLists":
+        """The lists of rows ``rows`` only, in that order."""
+        return AdamLists(**{name: None if ts is None else [ts[i] for i in rows]
+                            for name, ts in ((n, getattr(self, n)) for n in self.FIELDS)})
+
+    def __repr__(self) -> str:
+        return "AdamLists(" + ", ".join(f"{name}=[{len(ts)}]" for name, ts in self.present()) + ")"
+
+
+@dataclass(frozen=True)
+class ListForm:
+    """The lists of a non-Adam op (``scale``, ``l2norm``), by position."""
+
+    names: Tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class OpSpec:
-    """An op: its engine name, the name its errors use, its list forms (by count), its rule."""
+    """An op: its engine name, the name its errors use, its rule (Adam family) and EMA, or the
+    list form of a non-Adam op."""
 
     name: str
     api_name: str
-    forms: Tuple[ListForm, ...]
     rule: Optional[str] = None     # rules.ADAM / rules.RADAM for the Adam family
-    ref_list: int = 1              # the list whose tensors fix each row's shape and device
-
-    def form(self, n_lists: int) -> Optional[ListForm]:
-        for form in self.forms:
-            if len(form.names) == n_lists:
-                return form
-        return None
+    ema: bool = False              # an Adam-family op that keeps an EMA
+    form: Optional[ListForm] = None  # scale / l2norm
 
     @property
     def has_ema(self) -> bool:
-        return self.rule is not None and self.forms[0].has_ema
+        return self.ema
 
-    def describe_forms(self) -> str:
-        return " or ".join(f"[{', '.join(f.names)}]" for f in self.forms)
-
-
-def _adam_spec(name: str, api: str, rule: str, ema: bool) -> OpSpec:
-    base = ADAM_LISTS + (("emas",) if ema else ())
-    return OpSpec(name, api, (ListForm(base), ListForm(base + ("masters",))), rule)
+    @property
+    def adam_family(self) -> bool:
+        return self.rule is not None
 
 
 OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
-    _adam_spec("fused_ema_adamw", "multi_tensor_fused_ema_adamw", rules.ADAM, ema=True),
-    _adam_spec("adam", "multi_tensor_adam", rules.ADAM, ema=False),
-    _adam_spec("radam", "multi_tensor_radam", rules.RADAM, ema=False),
-    _adam_spec("radam_ema", "multi_tensor_radam_ema", rules.RADAM, ema=True),
-    OpSpec("scale", "multi_tensor_scale", (ListForm(("srcs", "dsts")),), ref_list=0),
-    OpSpec("l2norm", "multi_tensor_l2norm", (ListForm(("tensors",)),), ref_list=0),
+    OpSpec("fused_ema_adamw", "multi_tensor_fused_ema_adamw", rules.ADAM, ema=True),
+    OpSpec("adam", "multi_tensor_adam", rules.ADAM),
+    OpSpec("radam", "multi_tensor_radam", rules.RADAM),
+    OpSpec("radam_ema", "multi_tensor_radam_ema", rules.RADAM, ema=True),
+    OpSpec("scale", "multi_tensor_scale", form=ListForm(("srcs", "dsts"))),
+    OpSpec("l2norm", "multi_tensor_l2norm", form=ListForm(("tensors",))),
 )}
+ADAM_OPS = tuple(name for name, spec in OPS.items() if spec.adam_family)
 
 
 def adam_op(rule: str, ema: bool) -> OpSpec:
@@ -96,30 +156,52 @@ def adam_op(rule: str, ema: bool) -> OpSpec:
     return OPS["fused_ema_adamw" if ema else "adam"]
 
 
+def check_adam_lists(spec: OpSpec, lists: AdamLists, *, grads: bool = True) -> None:
+    """Check an Adam-family bucket's named lists against ``spec``; raises naming the tensor.
+
+    ``grads=False``: the lists a bucket is prepared with (no grads yet).
+    """
+    op = spec.api_name
+    if not isinstance(lists, AdamLists):
+        raise TypeError(f"{op}: expected AdamLists, got {type(lists).__name__}")
+    if spec.ema != lists.has_ema:
+        raise ValueError(f"{op}: this op {'keeps' if spec.ema else 'keeps no'} EMA, so emas must "
+                         f"{'be a list' if spec.ema else 'be None'}")
+    present = [(name, ts) for name, ts in lists.present() if grads or name != "grads"]
+    names = tuple(name for name, _ in present)
+    tensor_lists = [ts for _, ts in present]
+    validation.check_list_of_lists(op, tensor_lists)
+    n = validation.check_rows(op, tensor_lists, names, names.index("params"))
+    if n:
+        _check_adam_dtypes(op, dict(present), lists.has_master)
+
+
 def check_lists(spec: OpSpec, tensor_lists) -> ListForm:
-    """Check ``tensor_lists`` against ``spec``; returns the form. Raises naming the tensor."""
+    """Check a non-Adam op's positional lists (``scale``, ``l2norm``); returns its form."""
     op = spec.api_name
     validation.check_list_of_lists(op, tensor_lists)
-    form = spec.form(len(tensor_lists))
-    if form is None:
-        raise ValueError(f"{op}: tensor_lists must be {spec.describe_forms()}; got "
+    form = spec.form
+    if len(tensor_lists) != len(form.names):
+        raise ValueError(f"{op}: tensor_lists must be [{', '.join(form.names)}]; got "
                          f"{len(tensor_lists)} lists")
-    n = validation.check_rows(op, tensor_lists, form.names, spec.ref_list)
-    if n and spec.rule is not None:
-        _check_adam_dtypes(op, tensor_lists, form)
+    validation.check_rows(op, tensor_lists, form.names, 0)
     return form
 
 
-def backend_for_lists(spec: OpSpec, tensor_lists, form: ListForm) -> Optional[registry.Backend]:
-    """The backend that runs checked ``tensor_lists`` (None when there are no rows).
+def backend_for_lists(spec: OpSpec, named) -> Optional[registry.Backend]:
+    """The backend that runs checked lists (None when there are no rows).
 
-    Tensors without real storage (DTensor, meta, fake) only go to a backend that declares it
-    runs them; when none does, ``TypeError`` names the tensor.
+    ``named``: ``(name, list)`` pairs, the first one fixing the device (the params for the Adam
+    family: ``AdamLists.present()`` after the grads; the sources for ``scale``). Tensors without
+    real storage (DTensor, meta, fake) only go to a backend that declares it runs them; when
+    none does, ``TypeError`` names the tensor.
     """
-    if not tensor_lists[spec.ref_list]:
+    named = list(named)
+    ref = next((ts for name, ts in named if name == "params"), named[0][1])
+    if not ref:
         return None
-    device = tensor_lists[spec.ref_list][0].device
-    which = validation.storageless(tensor_lists, form.names)
+    device = ref[0].device
+    which = validation.storageless([ts for _, ts in named], [name for name, _ in named])
     try:
         return registry.backend_for(spec.name, device, tensor_subclasses=which is not None)
     except NotImplementedError:
@@ -131,18 +213,19 @@ def backend_for_lists(spec: OpSpec, tensor_lists, form: ListForm) -> Optional[re
             f"local shard: t.to_local())") from None
 
 
-def _check_adam_dtypes(op: str, tensor_lists, form: ListForm) -> None:
-    names = form.names
-    param_dtype = validation.check_list_dtype(op, "params", tensor_lists[1],
+def _check_adam_dtypes(op: str, lists: Dict[str, Sequence[torch.Tensor]], has_master: bool) -> None:
+    param_dtype = validation.check_list_dtype(op, "params", lists["params"],
                                               validation.PARAM_DTYPES)
-    if form.has_master and param_dtype == torch.float64:
+    if has_master and param_dtype == torch.float64:
         raise TypeError(f"{op}: params are float64; fp32 master weights are for fp16/bf16/fp32 params")
-    state_dtype = torch.float32 if form.has_master else param_dtype
-    for li in range(2, len(names)):
-        dtype = validation.check_list_dtype(op, names[li], tensor_lists[li], validation.PARAM_DTYPES)
+    state_dtype = torch.float32 if has_master else param_dtype
+    for name, tensors in lists.items():
+        if name in ("grads", "params"):
+            continue
+        dtype = validation.check_list_dtype(op, name, tensors, validation.PARAM_DTYPES)
         if dtype == state_dtype:
             continue
-        if names[li] == "emas":
+        if name == "emas":
             if dtype == REDUCED_EMA_DTYPE and param_dtype != torch.float64:
                 continue
             if param_dtype == torch.float64:
@@ -152,8 +235,9 @@ def _check_adam_dtypes(op: str, tensor_lists, form: ListForm) -> None:
             raise TypeError(f"{op}: emas are {dtype} but must be {state_dtype} (the state dtype) "
                             f"or {REDUCED_EMA_DTYPE}")
         raise TypeError(
-            f"{op}: {names[li]} are {dtype} but must be {state_dtype} "
+            f"{op}: {name} are {dtype} but must be {state_dtype} "
             + ("(optimizer state and masters are fp32 in the master-weights form)"
-               if form.has_master else "(the same dtype as params)"))
-    grad_allowed = (torch.float64,) if param_dtype == torch.float64 else validation.GRAD_DTYPES
-    validation.check_list_dtype(op, "grads", tensor_lists[0], grad_allowed)
+               if has_master else "(the same dtype as params)"))
+    if "grads" in lists:
+        grad_allowed = (torch.float64,) if param_dtype == torch.float64 else validation.GRAD_DTYPES
+        validation.check_list_dtype(op, "grads", lists["grads"], grad_allowed)

@@ -192,7 +192,11 @@ class OpInfo:
         return self.spec.rule
 
     def names(self, master: bool) -> Tuple[str, ...]:
-        return self.spec.forms[1 if master else 0].names
+        return multi_tensor.ops.POSITIONAL[self.name][1 if master else 0]
+
+    def named(self, lists) -> schema.AdamLists:
+        """Positional (apex) lists of this op by name, through the apex adapter's forms."""
+        return multi_tensor.ops.named_lists(self.spec, lists)
 
     def call(self, chunk_size: int, noop: torch.Tensor, lists, h: HyperCase, step: int, *,
              check_finite: Optional[bool] = None) -> None:

@@ -106,7 +106,7 @@ def test_table_covers_every_adam_family_op_and_rectification():
     assert set(C.OPS) == adam_family, "every Adam-family op of schema.OPS needs an OpInfo"
     for op in C.OP_INFOS:
         for dc in C.dtype_cases(op):  # every dtype case is a form the op table accepts
-            schema.check_lists(op.spec, C.make_lists(op, dc, shapes=((2,),)))
+            schema.check_adam_lists(op.spec, op.named(C.make_lists(op, dc, shapes=((2,),))))
         switches = {h.name for h in op.hyper_cases}
         assert {"decoupled", "l2", "wd0"} <= switches
         assert any(h.maximize for h in op.hyper_cases)
@@ -303,11 +303,11 @@ def test_empty_lists_and_empty_tensors(backend, op):
         before = C.clone(lists)
         assert run_on(backend, op, lists, h, 1).item() == 0
         assert_lists_bitwise(lists, before, op.names(dc.master), f"{backend} empty tensors")
-        prepared = b.prepare_bucket(op.name, lists[1:], 2048)
+        prepared = b.prepare_bucket(op.name, op.named(lists).state(), 2048)
         assert prepared.bind(lists[0])
         prepared.run(torch.zeros(1, dtype=torch.int32), op.scalars(h, 1), None, True)
         assert_lists_bitwise(lists, before, op.names(dc.master), f"{backend} prepared, empty")
-    prepared = b.prepare_bucket(op.name, [[] for _ in range(n_lists - 1)], 2048)
+    prepared = b.prepare_bucket(op.name, op.named([[] for _ in range(n_lists)]).state(), 2048)
     assert prepared.bind([])
     prepared.run(torch.zeros(1, dtype=torch.int32), op.scalars(h, 1))
 
@@ -378,7 +378,7 @@ def test_prepared_bucket_equals_op_path(backend, op, dc):
     names = op.names(dc.master)
     lists = C.make_lists(op, dc, seed=21)
     state, op_state = C.clone(lists[1:]), C.clone(lists[1:])
-    prepared = b.prepare_bucket(op.name, state, 7)
+    prepared = b.prepare_bucket(op.name, op.named([lists[0]] + state).state(), 7)
     for k, h in enumerate(op.hyper_cases):
         step = h.steps[k % len(h.steps)]
         grads = _grads_for(op, dc, 100 + k, h)
@@ -427,7 +427,7 @@ def test_prepared_bucket_after_a_refused_bind_of_resized_state(backend):
     op, dc = C.OPS["adam"], C.DTYPES["fp32"]
     h = op.hyper_cases[0]
     state = C.make_lists(op, dc, shapes=((10,), (10,)), seed=1)[1:]
-    prepared = b.prepare_bucket("adam", state, 2048)
+    prepared = b.prepare_bucket("adam", op.named([[None, None]] + state).state(), 2048)
     assert prepared.bind([torch.ones(10), torch.ones(10)])
     for t in (state[0][0], state[1][0], state[2][0]):
         t.data = torch.full((20,), 0.5)

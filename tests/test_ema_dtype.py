@@ -124,19 +124,22 @@ def test_op_table_accepts_a_bf16_ema_and_nothing_else(params, state, ema, ok):
     if master:
         lists.append(t(F32))
     spec = schema.OPS["fused_ema_adamw"]
+    named = multi_tensor.ops.named_lists(spec, lists)
     if ok:
-        schema.check_lists(spec, lists)
+        schema.check_adam_lists(spec, named)
         return
     with pytest.raises(TypeError, match="emas are"):
-        schema.check_lists(spec, lists)
+        schema.check_adam_lists(spec, named)
 
 
 def test_op_table_still_rejects_other_state_mixtures():
     t = lambda dt: [torch.zeros(3, dtype=dt)]  # noqa: E731
     with pytest.raises(TypeError, match="exp_avgs are torch.bfloat16"):
-        schema.check_lists(schema.OPS["fused_ema_adamw"], [t(F32), t(F32), t(BF16), t(F32), t(BF16)])
+        schema.check_adam_lists(schema.OPS["fused_ema_adamw"], multi_tensor.ops.named_lists(
+            "fused_ema_adamw", [t(F32), t(F32), t(BF16), t(F32), t(BF16)]))
     with pytest.raises(TypeError, match="exp_avg_sqs are torch.bfloat16"):
-        schema.check_lists(schema.OPS["adam"], [t(F32), t(F32), t(F32), t(BF16)])
+        schema.check_adam_lists(schema.OPS["adam"], multi_tensor.ops.named_lists(
+            "adam", [t(F32), t(F32), t(F32), t(BF16)]))
 
 
 # ---------------------------------------------------------------------------------------------

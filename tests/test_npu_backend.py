@@ -16,6 +16,7 @@ import torch
 from fused_optim import FusedAdam, FusedEmaAdamW, FusedRAdam
 from multi_tensor import forced_backend, multi_tensor_fused_ema_adamw, rules
 from multi_tensor.backends import flat, npu, npu_standin
+from multi_tensor.schema import AdamLists
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 SHAPES = ((3, 5), (0,), (130,), (1,), (7, 3, 2), (2, 0, 3), (257,))
@@ -303,7 +304,7 @@ def test_noop_flag_and_check_finite_change_nothing(standin):
 def test_prepared_bucket_noop_and_bind_refusals(standin):
     params = make_params(F32, ((6,), (9,)))
     state = [[torch.zeros(p.shape) for p in params] for _ in range(3)]
-    bucket = standin.prepare_bucket("fused_ema_adamw", [params] + state, 2048)
+    bucket = standin.prepare_bucket("fused_ema_adamw", AdamLists(None, params, *state), 2048)
     assert not bucket.bind([params[0].detach()])                    # count
     assert not bucket.bind([torch.zeros(6), torch.zeros(8)])        # shape
     assert not bucket.bind([torch.zeros(6, dtype=F64), torch.zeros(9, dtype=F64)])

@@ -52,6 +52,7 @@ def test_without_triton_the_reference_runs_after_one_warning():
         import torch
         from multi_tensor import rules
         from multi_tensor.backends import reference, registry, triton_gpu
+        from multi_tensor.ops import named_lists
 
         def lists():
             g = torch.Generator().manual_seed(0)
@@ -65,19 +66,20 @@ def test_without_triton_the_reference_runs_after_one_warning():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             a, b = lists(), lists()
-            triton_gpu.OPS["fused_ema_adamw"](64, torch.zeros(1, dtype=torch.int32), a, c)
-            triton_gpu.OPS["fused_ema_adamw"](64, torch.zeros(1, dtype=torch.int32), a, c)
-            reference.adam_family(64, torch.zeros(1, dtype=torch.int32), b, c)
-            reference.adam_family(64, torch.zeros(1, dtype=torch.int32), b, c)
+            na, nb = (named_lists("fused_ema_adamw", x) for x in (a, b))
+            triton_gpu.BACKEND.ops["fused_ema_adamw"](64, torch.zeros(1, dtype=torch.int32), na, c)
+            triton_gpu.BACKEND.ops["fused_ema_adamw"](64, torch.zeros(1, dtype=torch.int32), na, c)
+            reference.adam_family(64, torch.zeros(1, dtype=torch.int32), nb, c)
+            reference.adam_family(64, torch.zeros(1, dtype=torch.int32), nb, c)
             for x, y in zip(a, b):
                 for s, t in zip(x, y):
                     assert torch.equal(s, t)
             dst = [torch.empty(5), torch.empty(3, 4)]
-            triton_gpu.OPS["scale"](64, torch.zeros(1, dtype=torch.int32), [a[1], dst], 0.5)
+            triton_gpu.BACKEND.ops["scale"](64, torch.zeros(1, dtype=torch.int32), [a[1], dst], 0.5)
             assert torch.equal(dst[0], a[1][0] * 0.5)
-            total, per = triton_gpu.OPS["l2norm"](64, torch.zeros(1, dtype=torch.int32), [a[1]], True)
+            total, per = triton_gpu.BACKEND.ops["l2norm"](64, torch.zeros(1, dtype=torch.int32), [a[1]], True)
             assert per.shape == (2,)
-            prepared = triton_gpu.prepare("fused_ema_adamw", a[1:], 64)
+            prepared = triton_gpu.prepare("fused_ema_adamw", na.state(), 64)
             assert isinstance(prepared, registry.PreparedOp)
             assert not hasattr(prepared, "run_device_step")
         ours = [w for w in caught if "triton" in str(w.message)]

@@ -44,9 +44,9 @@ def call(op, lists, c, chunk, scale, backend):
     if backend == "triton":
         b = backend_for(op, device)
         assert b.name == "triton", b.name
-        b.ops[op](chunk, noop, lists, c, gs, False)
+        b.ops[op](chunk, noop, multi_tensor.ops.named_lists(op, lists), c, gs, False)
     else:
-        reference.adam_family(chunk, noop, lists, c, gs, False)
+        reference.adam_family(chunk, noop, multi_tensor.ops.named_lists(op, lists), c, gs, False)
     return noop
 
 
@@ -76,7 +76,8 @@ def test_cuda_device_steps_equal_host_steps_and_skip():
         h = _hyper(op)
         a = to(make_lists(op, dtype, SHAPES), CUDA)
         b = clone(a)
-        ba, bb = k.AdamBucket(op, a[1:], 65536), k.AdamBucket(op, b[1:], 65536)
+        ba = k.AdamBucket(op, multi_tensor.ops.named_lists(op, a).state(), 65536)
+        bb = k.AdamBucket(op, multi_tensor.ops.named_lists(op, b).state(), 65536)
         step = torch.zeros((), device=CUDA)
         zero = torch.zeros(1, dtype=torch.int32, device=CUDA)
         scale = torch.tensor([8.0], device=CUDA)

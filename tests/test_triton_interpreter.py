@@ -47,6 +47,7 @@ import torch  # noqa: E402
 import multi_tensor  # noqa: E402
 from multi_tensor import rules, schema  # noqa: E402
 from multi_tensor.backends import reference, registry  # noqa: E402
+from multi_tensor.ops import named_lists  # noqa: E402
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 ADAM_OPS = ("fused_ema_adamw", "adam", "radam", "radam_ema")
@@ -148,14 +149,17 @@ def assert_lists_equal(got, want, what: str) -> None:
 def run_adam(op, lists, scalars, chunk, grad_scale=None, check_finite=False, noop=None):
     noop = torch.zeros(1, dtype=torch.int32) if noop is None else noop
     gs = None if grad_scale is None else torch.tensor([grad_scale])
-    _k().adam_family(op)(chunk, noop, lists, scalars, gs, check_finite)
+    bucket = _k().AdamBucket(op, named_lists(op, lists).state(), chunk)
+    assert bucket.bind(lists[0])
+    bucket.run(noop, scalars, gs, check_finite)
     return noop
 
 
 def ref_adam(lists, scalars, grad_scale=None, check_finite=False, noop=None):
     noop = torch.zeros(1, dtype=torch.int32) if noop is None else noop
     gs = None if grad_scale is None else torch.tensor([grad_scale])
-    reference.adam_family(2048, noop, lists, scalars, gs, check_finite)
+    op = "fused_ema_adamw" if scalars.ema else "adam"  # radam's lists are named alike
+    reference.adam_family(2048, noop, named_lists(op, lists), scalars, gs, check_finite)
     return noop
 
 
@@ -326,7 +330,7 @@ def _bucket_rebind():
     op = "fused_ema_adamw"
     lists = make_lists(op, "bf16_master", SHAPES)
     want = clone(lists)
-    bucket = k.AdamBucket(op, lists[1:], 2048)
+    bucket = k.AdamBucket(op, named_lists(op, lists).state(), 2048)
     h = _hyper(op)
     noop = torch.zeros(1, dtype=torch.int32)
     for step in (1, 2, 3):
@@ -367,7 +371,7 @@ def _device_scalars():
     steps = list(range(1, 8)) + [12, 1000, 65537, 999_983, 16_000_000]
     for dtype, p in ((F32, F32), (F64, F64)):
         lists = make_lists("adam", "fp32" if dtype == F32 else "fp64", ((4,),))
-        bucket = k.AdamBucket("adam", lists[1:], 64)
+        bucket = k.AdamBucket("adam", named_lists("adam", lists).state(), 64)
         for h in hypers:
             for lr_tensor in ((False, True) if h.rule == rules.RADAM or h.lr == 0.01 else (False,)):
                 lr = torch.tensor(h.lr, dtype=F32) if lr_tensor else None
@@ -394,8 +398,8 @@ def _device_results():
         h = _hyper(op)
         lists = make_lists(op, dtype, SMALL)
         a, b = clone(lists), clone(lists)
-        ba = k.AdamBucket(op, a[1:], 64)
-        bb = k.AdamBucket(op, b[1:], 64)
+        ba = k.AdamBucket(op, named_lists(op, a).state(), 64)
+        bb = k.AdamBucket(op, named_lists(op, b).state(), 64)
         step = torch.tensor(0.0)
         zero = torch.zeros(1, dtype=torch.int32)
         for s in range(1, 8):

@@ -152,15 +152,29 @@ inline void prefetch_storage(const at::Tensor& t) {
 
 }  // namespace
 
-AdamBucket::AdamBucket(py::handle state_lists, bool ema, int64_t chunk_size)
-    : ema_(ema), chunk_size_(chunk_size) {
-  for (py::handle list : state_lists) {
+AdamBucket::AdamBucket(py::handle lists, int64_t chunk_size) : chunk_size_(chunk_size) {
+  // lists: a multi_tensor.schema.AdamLists, read by name (emas / masters None when absent).
+  const py::object emas = lists.attr("emas");
+  const py::object masters = lists.attr("masters");
+  ema_ = !emas.is_none();
+  master_ = !masters.is_none();
+  auto take = [&](py::handle list, Slot slot) {
     std::vector<at::Tensor> ts;
-    for (const at::Tensor* t : unpack_tensors(list)) ts.push_back(*t);
+    for (const at::Tensor* t : unpack_tensors(list)) {
+      TORCH_CHECK_TYPE(t != nullptr, "AdamBucket: a list item is not a tensor");
+      ts.push_back(*t);
+    }
     state_.push_back(std::move(ts));
-  }
-  master_ = state_.size() == (ema ? 5u : 4u);
+    slots_.push_back(slot);
+  };
+  take(lists.attr("params"), kParam);
+  take(lists.attr("exp_avgs"), kExpAvg);
+  take(lists.attr("exp_avg_sqs"), kExpAvgSq);
+  if (ema_) take(emas, kEma);
+  if (master_) take(masters, kMaster);
   const auto& params = state_[0];
+  for (const auto& list : state_)
+    TORCH_CHECK_VALUE(list.size() == params.size(), "AdamBucket: lists of different lengths");
   param_dtype_ = params.empty() ? c10::kFloat : params[0].scalar_type();
   state_dtype_ = master_ ? c10::kFloat : param_dtype_;
   ema_dtype_ = ema_ && !params.empty() ? state_[3][0].scalar_type() : state_dtype_;
@@ -170,9 +184,6 @@ AdamBucket::AdamBucket(py::handle state_lists, bool ema, int64_t chunk_size)
                   (ema_dtype_ == c10::kBFloat16 && param_dtype_ != c10::kDouble),
               "AdamBucket: the EMA must be ", state_dtype_, " or bf16 (fp16/bf16/fp32 params), got ",
               ema_dtype_);
-  slots_ = {kParam, kExpAvg, kExpAvgSq};
-  if (ema_) slots_.push_back(kEma);
-  if (master_) slots_.push_back(kMaster);
 }
 
 // The per-step check that the grads still fit the bucket (count, dtype, shape, CPU, dense with

@@ -35,19 +35,20 @@ struct Row {
 
 using KernelFn = void (*)(const Chunk*, int64_t, const Row*, const void*);
 
-// state_lists: [params, exp_avgs, exp_avg_sqs(, emas)(, masters)], checked by the Python front
-// end (multi_tensor/schema.py). bind() takes a step's grads; run() applies one update with the
-// scalars of a multi_tensor.rules.StepScalars.
+// lists: a multi_tensor.schema.AdamLists (params, exp_avgs, exp_avg_sqs, emas or None, masters or
+// None; its grads are not read), checked by the Python front end (multi_tensor/schema.py).
+// bind() takes a step's grads; run() applies one update with the scalars of a
+// multi_tensor.rules.StepScalars.
 class AdamBucket {
  public:
-  AdamBucket(py::handle state_lists, bool ema, int64_t chunk_size);
+  AdamBucket(py::handle lists, int64_t chunk_size);
   bool bind(py::handle grads);
   void run(const std::optional<at::Tensor>& noop_flag, py::handle scalars,
            const std::optional<at::Tensor>& grad_scale, bool check_finite);
   int64_t chunk_size() const { return chunk_size_; }
 
  private:
-  bool ema_;
+  bool ema_ = false;
   bool master_ = false;
   int64_t chunk_size_;
   c10::ScalarType param_dtype_ = c10::kFloat;

@@ -18,10 +18,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("capability") = MT_STR(CPU_CAPABILITY);
   m.attr("inline_numel") = multi_tensor_cpu::kInlineNumel;
   py::class_<AdamBucket>(m, "AdamBucket",
-                         "An Adam-family op bound to one bucket's state lists [params, exp_avgs, "
-                         "exp_avg_sqs(, emas)(, masters)], checked by the Python front end.")
-      .def(py::init<py::handle, bool, int64_t>(), py::arg("state_lists"), py::arg("ema"),
-           py::arg("chunk_size"))
+                         "An Adam-family op bound to one bucket's lists (a "
+                         "multi_tensor.schema.AdamLists, read by name), checked by the Python "
+                         "front end.")
+      .def(py::init<py::handle, int64_t>(), py::arg("lists"), py::arg("chunk_size"))
       .def("bind", &AdamBucket::bind, py::arg("grads"),
            "Take this step's grads: True when they fit the bucket (else nothing is bound).")
       .def("run", &AdamBucket::run, py::arg("noop_flag"), py::arg("scalars"),

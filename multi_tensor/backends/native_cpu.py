@@ -93,19 +93,8 @@ def _warn_once(reason: str) -> None:
 
 
 def _make_backend(mod) -> Backend:
-    def prepare(op, state_lists, chunk_size):
-        return mod.AdamBucket(state_lists, schema.OPS[op].has_ema, chunk_size)
-
-    def adam_family(op):
-        ema = schema.OPS[op].has_ema
-
-        def impl(chunk_size, noop_flag, tensor_lists, scalars, grad_scale=None,
-                 check_finite=False):
-            bucket = mod.AdamBucket(tensor_lists[1:], ema, chunk_size)
-            if not bucket.bind(tensor_lists[0]):
-                raise RuntimeError(f"native_cpu: {op}: the checked lists did not bind")
-            bucket.run(noop_flag, scalars, grad_scale, check_finite)
-        return impl
+    def prepare(op, lists, chunk_size, once=False):
+        return mod.AdamBucket(lists, chunk_size)
 
     def scale(chunk_size, noop_flag, tensor_lists, scale):
         if not mod.scale(chunk_size, noop_flag, tensor_lists, scale):
@@ -118,20 +107,16 @@ def _make_backend(mod) -> Backend:
             return reference.l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
         return out
 
-    ops = {op: adam_family(op) for op in ADAM_OPS}
-    ops.update(scale=scale, l2norm=l2norm)
     return Backend(
         name="native_cpu",
         device_types=("cpu",),
         priority=10,
-        ops=ops,
+        ops={"scale": scale, "l2norm": l2norm},
         prepare=prepare,
+        adam_ops=schema.ADAM_OPS,
         description=f"C++ {mod.capability} SIMD kernels + at::parallel_for "
                     f"(multi_tensor.{mod.__name__.rsplit('.', 1)[-1]})",
     )
-
-
-ADAM_OPS = tuple(name for name, spec in schema.OPS.items() if spec.rule is not None)
 
 
 def _init() -> None:

@@ -252,7 +252,7 @@ def fold_scalars(c: StepScalars) -> Dict[str, float]:
 class FlatAdamBucket:
     """One bucket of an Adam-family op in flat buffers (see the module docstring).
 
-    ``state_lists``: ``[params, exp_avgs, exp_avg_sqs(, emas)(, masters)]``. ``repoint``: re-point
+    ``lists``: a :class:`~multi_tensor.schema.AdamLists` without grads. ``repoint``: re-point
     the state tensors at their views (the optimizer's plans); False copies them in and out per
     run (a one-shot functional call on the caller's tensors).
 
@@ -261,15 +261,15 @@ class FlatAdamBucket:
     """
 
     @torch.no_grad()
-    def __init__(self, op: str, state_lists, chunk_size: int, device_op: DeviceOp, *,
+    def __init__(self, op: str, lists, chunk_size: int, device_op: DeviceOp, *,
                  repoint: bool = True):
-        spec = schema.OPS[op]
         self.op = op
         self.chunk_size = chunk_size
-        self.ema = spec.has_ema
-        n_moments = 3 if self.ema else 2
-        self.params: List[torch.Tensor] = list(state_lists[0])
-        self.has_master = len(state_lists) == 2 + n_moments
+        self.ema = lists.has_ema
+        self.params: List[torch.Tensor] = list(lists.params)
+        self.has_master = lists.has_master
+        # the state lists, in AdamLists' field order: exp_avgs, exp_avg_sqs(, emas)(, masters)
+        state_names = [name for name, _ in lists.present() if name not in ("grads", "params")]
         self.device_op = device_op
         params = self.params
         self.device = params[0].device if params else torch.device("cpu")
@@ -282,26 +282,27 @@ class FlatAdamBucket:
                              else (torch.float16, torch.bfloat16, torch.float32))
         self.shapes = [p.shape for p in params]
         # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)
-        emas = state_lists[3] if self.ema else []
+        emas = lists.emas or []
         self.ema_dtype = emas[0].dtype if emas else self.work_dtype
         dtypes = [self.work_dtype, self.param_dtype, self.ema_dtype]
-        list_dtypes = [self.work_dtype] * (len(state_lists) - 1)
-        if self.ema:
-            list_dtypes[2] = self.ema_dtype
+        list_dtypes = [self.ema_dtype if name == "emas" else self.work_dtype
+                       for name in state_names]
 
         adopted = flat.FlatLayout.of_views(params) if params else None
-        self.layout = (adopted or flat.owned_layout(state_lists[1])
+        self.layout = (adopted or flat.owned_layout(lists.exp_avgs)
                        or flat.FlatLayout.packed(self.shapes, flat.align_elements(dtypes)))
         # params that tile one buffer: that buffer (read and written in place / in one copy)
         self.param_region = (flat.alias(params, self.layout, self.param_dtype, self.device)
                              if adopted is not None else None)
         self._param_ptrs = ([p.data_ptr() for p in params] if self.param_region is not None
                             else None)
-        moments = [flat.FlatList.adopt(ts, self.layout, dt, self.device, repoint_ok=repoint)
-                   for ts, dt in zip(state_lists[1:], list_dtypes)]
-        self.exp_avg, self.exp_avg_sq = moments[0], moments[1]
-        self.ema_list = moments[2] if self.ema else None
-        self.masters = moments[-1] if self.has_master else None
+        moments = [flat.FlatList.adopt(getattr(lists, name), self.layout, dt, self.device,
+                                       repoint_ok=repoint)
+                   for name, dt in zip(state_names, list_dtypes)]
+        named = dict(zip(state_names, moments))
+        self.exp_avg, self.exp_avg_sq = named["exp_avgs"], named["exp_avg_sqs"]
+        self.ema_list = named.get("emas")
+        self.masters = named.get("masters")
         self.state = moments
         if self.has_master:
             self.weights = self.masters
@@ -439,14 +440,17 @@ class FlatAdamBucket:
         if check_finite and not bool(torch.isfinite(g_flat).all()):
             noop_flag.fill_(1)
             return False
-        kinds = [g_flat, self.weights.flat, self.exp_avg.flat, self.exp_avg_sq.flat]
-        if self.ema:
-            kinds.append(self.ema_list.flat)
+        # the weights (masters, or the params' region) are the params of the reference's call
+        flat_lists = schema.AdamLists(
+            grads=[g_flat], params=[self.weights.flat], exp_avgs=[self.exp_avg.flat],
+            exp_avg_sqs=[self.exp_avg_sq.flat],
+            emas=[self.ema_list.flat] if self.ema else None)
         total = self.layout.total
         for start in range(0, total, TORCH_PATH_SLICE):
             n = min(TORCH_PATH_SLICE, total - start)
-            lists = [[t.narrow(0, start, n)] for t in kinds]
-            reference.adam_family(self.chunk_size, None, lists, c, grad_scale, False)
+            reference.adam_family(self.chunk_size, None,
+                                  flat_lists.map(lambda t: t.narrow(0, start, n)), c, grad_scale,
+                                  False)
         return True
 
     def _run_cann(self, g_flat, owned, c, grad_scale, check_finite, noop_flag, *,
@@ -502,7 +506,6 @@ def _take_results(result, outs) -> None:
 
 # --- the backend ----------------------------------------------------------------------------------
 
-ADAM_OPS = tuple(name for name, spec in schema.OPS.items() if spec.rule is not None)
 
 
 def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
@@ -512,21 +515,13 @@ def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
     """
     op_holder = DeviceOp(device_op)
 
-    def prepare(op, state_lists, chunk_size):
-        return FlatAdamBucket(op, state_lists, chunk_size, op_holder)
-
-    def adam_impl(op):
-        def impl(chunk_size, noop_flag, tensor_lists, scalars, grad_scale=None,
-                 check_finite=False):
-            bucket = FlatAdamBucket(op, tensor_lists[1:], chunk_size, op_holder, repoint=False)
-            if not bucket.bind(tensor_lists[0]):
-                raise RuntimeError(f"{name}: {op}: the checked lists did not bind")
-            bucket.run(noop_flag, scalars, grad_scale, check_finite)
-        return impl
+    def prepare(op, lists, chunk_size, once=False):
+        # once: an apex call on the caller's tensors, copied in and out rather than re-pointed
+        return FlatAdamBucket(op, lists, chunk_size, op_holder, repoint=not once)
 
     backend = Backend(
         name=name, device_types=tuple(device_types), priority=priority,
-        ops={op: adam_impl(op) for op in ADAM_OPS}, prepare=prepare,
+        prepare=prepare, adam_ops=schema.ADAM_OPS,
         description=description or ("flat buckets, one CANN aclnnApplyFusedEmaAdam launch per "
                                     "bucket (MULTI_TENSOR_NPU_OP=cann) or the exact torch path "
                                     "(default); torch_npu imported on first use"))

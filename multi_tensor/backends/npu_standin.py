@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from .. import schema
 from ..rules import AdamHyper, step_scalars
 from . import npu, reference, registry
 
@@ -37,7 +38,8 @@ def reference_device_op(grad, var, m, v, s, step, lr=1e-3, ema_decay=0.9999, bet
     """The seed operator (SPEC section 2) as the reference backend computes it, in place."""
     h = AdamHyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                   decoupled=mode == 1, bias_correction=bool(bias_correction), ema_decay=ema_decay)
-    reference.adam_family(0, None, [[grad], [var], [m], [v], [s]], step_scalars(h, _step_of(step)))
+    lists = schema.AdamLists(grads=[grad], params=[var], exp_avgs=[m], exp_avg_sqs=[v], emas=[s])
+    reference.adam_family(0, None, lists, step_scalars(h, _step_of(step)))
     return var, m, v, s
 
 

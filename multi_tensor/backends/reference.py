@@ -20,8 +20,9 @@ from typing import List, Optional
 
 import torch
 
+from .. import schema
 from ..rules import StepScalars
-from .registry import ANY_DEVICE, Backend, register_backend
+from .registry import ANY_DEVICE, Backend, PreparedOp, register_backend
 
 
 def math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,19 +73,18 @@ def _store(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
             d.copy_(s)
 
 
-def adam_family(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, c: StepScalars,
+def adam_family(chunk_size: int, noop_flag: torch.Tensor, lists, c: StepScalars,
                 grad_scale: Optional[torch.Tensor] = None, check_finite: bool = False) -> None:
-    """Every Adam-family op: ``[grads, params, exp_avgs, exp_avg_sqs(, emas)(, masters)]``."""
+    """Every Adam-family op on one bucket's :class:`~multi_tensor.schema.AdamLists`."""
     del chunk_size  # elementwise: chunking cannot change a result
-    grads, params, exp_avgs, exp_avg_sqs = tensor_lists[:4]
-    has_master = len(tensor_lists) == (6 if c.ema else 5)
-    emas = tensor_lists[4] if c.ema else None
+    grads, params, exp_avgs, exp_avg_sqs = lists.grads, lists.params, lists.exp_avgs, lists.exp_avg_sqs
+    emas, has_master = lists.emas, lists.has_master
     if not grads or _noop_is_set(noop_flag):
         return
     if check_finite and any_nonfinite(grads):
         noop_flag.fill_(1)
         return
-    weights = tensor_lists[-1] if has_master else params
+    weights = lists.weights
     dt = math_dtype(weights[0].dtype)
 
     def k(value: float) -> float:
@@ -113,7 +113,7 @@ def adam_family(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, c: StepS
     w_new = torch._foreach_sub(w_new, torch._foreach_mul(u, k(c.step_size)))
     _store(exp_avgs, m)
     _store(exp_avg_sqs, v)
-    if c.ema:
+    if emas is not None:
         s = _as(emas, dt)
         s = torch._foreach_add(s, torch._foreach_mul(torch._foreach_sub(w_new, s), k(c.ema_w)))
         _store(emas, s)
@@ -157,12 +157,18 @@ def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     return total, per_norms
 
 
+def prepare(op: str, lists, chunk_size: int, once: bool = False) -> PreparedOp:
+    """A bucket of the reference: :func:`adam_family` on its lists, grads bound per step."""
+    return PreparedOp(adam_family, lists, chunk_size)
+
+
 REFERENCE = register_backend(Backend(
     name="reference",
     device_types=(ANY_DEVICE,),
     priority=0,
-    ops={"fused_ema_adamw": adam_family, "adam": adam_family, "radam": adam_family,
-         "radam_ema": adam_family, "scale": scale, "l2norm": l2norm},
+    ops={"scale": scale, "l2norm": l2norm},
+    prepare=prepare,
+    adam_ops=schema.ADAM_OPS,
     tensor_subclasses=True,
     description="pure PyTorch tensor ops (any device)",
 ))

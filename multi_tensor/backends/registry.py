@@ -7,17 +7,21 @@ backend serves every device type (``"*"``) at the lowest priority, so an op alwa
 Optimizers never name a backend: a new one (say CUDA) is one module that registers itself.
 
 Every backend receives input already checked against the op table (:mod:`multi_tensor.schema`)
-and trusts it. Its op implementations take::
+and trusts it. The one contract for the Adam family is *prepare, bind, run*::
 
-    Adam family  impl(chunk_size, noop_flag, tensor_lists, scalars, grad_scale, check_finite)
-    scale        impl(chunk_size, noop_flag, tensor_lists, scale)
-    l2norm       impl(chunk_size, noop_flag, tensor_lists, per_tensor)
+    bucket = backend.prepare(op, lists, chunk_size, once)   # lists: schema.AdamLists, no grads
+    bucket.bind(grads) -> bool    # cheap per-step check that the grads (and the state) still
+                                  # fit; takes them for the next run
+    bucket.run(noop_flag, scalars, grad_scale, check_finite)   # scalars: rules.StepScalars
 
-where ``scalars`` is a :class:`multi_tensor.rules.StepScalars`. For the optimizers' hot path a
-backend may also provide ``prepare(op, state_lists, chunk_size)`` returning an object with
-``bind(grads) -> bool`` (a cheap per-step check that the grads still fit the bucket, which also
-takes them for the next run) and ``run(noop_flag, scalars, grad_scale, check_finite)``. Without
-one, :class:`PreparedOp` binds the lists in Python.
+``once``: the bucket serves one call on the caller's tensors (an apex op call), so it must not
+re-point them (the flat NPU buckets otherwise move state into buffers of their own). The
+one-shot op ``backend.ops[op](chunk_size, noop_flag, lists, scalars, grad_scale,
+check_finite)`` is derived from it here, for every backend alike. ``scale`` and ``l2norm`` are
+plain functions::
+
+    scale        impl(chunk_size, noop_flag, [srcs, dsts], scale)
+    l2norm       impl(chunk_size, noop_flag, [tensors], per_tensor)
 
 Tensors without real storage (DTensor, meta, fake) go only to backends that declare
 ``tensor_subclasses=True`` (the reference does: it runs plain torch ops, which dispatch through
@@ -41,24 +45,43 @@ ANY_DEVICE = "*"
 
 @dataclass
 class Backend:
-    """A named set of op implementations for some device types."""
+    """A named set of op implementations for some device types (see the module docstring).
+
+    ``prepare``: the Adam family's *prepare* step, for the ops named in ``adam_ops``; their
+    one-shot ``ops[op]`` entries are derived from it.
+    """
 
     name: str
     device_types: tuple
     priority: int
-    ops: Dict[str, Callable] = field(default_factory=dict)
-    prepare: Optional[Callable] = None  # prepare(op, state_lists, chunk_size) -> prepared bucket
+    ops: Dict[str, Callable] = field(default_factory=dict)   # scale, l2norm (+ derived Adam ops)
+    prepare: Optional[Callable] = None  # prepare(op, lists, chunk_size, once) -> prepared bucket
+    adam_ops: tuple = ()
     tensor_subclasses: bool = False     # runs tensors without real storage (DTensor, meta, fake)
     description: str = ""
+
+    def __post_init__(self):
+        for op in self.adam_ops:
+            self.ops[op] = _one_shot(self, op)
 
     def handles(self, device_type: str) -> bool:
         return ANY_DEVICE in self.device_types or device_type in self.device_types
 
-    def prepare_bucket(self, op: str, state_lists, chunk_size: int):
-        """The op bound to one bucket's state lists (everything but the grads)."""
-        if self.prepare is not None:
-            return self.prepare(op, state_lists, chunk_size)
-        return PreparedOp(self.ops[op], state_lists, chunk_size)
+    def prepare_bucket(self, op: str, lists, chunk_size: int, once: bool = False):
+        """The op bound to one bucket's state lists (a :class:`multi_tensor.schema.AdamLists`
+        without grads)."""
+        return self.prepare(op, lists, chunk_size, once)
+
+
+def _one_shot(backend: Backend, op: str) -> Callable:
+    """``ops[op]`` of an Adam-family op: prepare (once), bind, run."""
+    def impl(chunk_size, noop_flag, lists, scalars, grad_scale=None, check_finite=False):
+        bucket = backend.prepare(op, lists.state(), chunk_size, True)
+        if not bucket.bind(lists.grads):
+            raise RuntimeError(f"{backend.name}: {op}: lists that passed the op check did not bind")
+        bucket.run(noop_flag, scalars, grad_scale, check_finite)
+    impl.__name__ = f"{backend.name}_{op}"
+    return impl
 
 
 _lock = threading.Lock()
@@ -126,17 +149,18 @@ def backend_for(op: str, device, *, tensor_subclasses: bool = False) -> Backend:
 
 
 class PreparedOp:
-    """An op bound to one bucket's state lists, for backends without a ``prepare`` of their own.
+    """An Adam-family bucket of a backend whose kernel takes whole lists per call (the reference).
 
     ``bind(grads)`` is the cheap per-step check (same count, one allowed dtype, dense, the
-    params' shapes and device); ``run`` calls the op with the bound grads prepended.
+    params' shapes and device, state of the params' shapes); ``run`` calls ``impl`` on the state
+    lists with the bound grads.
     """
 
-    def __init__(self, impl: Callable, state_lists, chunk_size: int):
+    def __init__(self, impl: Callable, lists, chunk_size: int):
         self.impl = impl
-        self.state_lists = [list(tensors) for tensors in state_lists]
+        self.lists = lists.state()
         self.chunk_size = chunk_size
-        params = self.state_lists[0]
+        params = lists.params
         self._shapes = [p.shape for p in params]
         self._device = params[0].device if params else None
         self._grad_dtypes = ((torch.float64,) if params and params[0].dtype == torch.float64
@@ -155,12 +179,15 @@ class PreparedOp:
                 if (g is None or g.dtype != dtype or g.shape != shape or g.device != self._device
                         or g.layout != torch.strided):
                     return False
+            for name, tensors in self.lists.present():
+                if any(t.shape != shape for t, shape in zip(tensors, self._shapes)):
+                    return False
         self._grads = list(grads)
         return True
 
     def run(self, noop_flag, scalars, grad_scale=None, check_finite=False) -> None:
         grads, self._grads = self._grads, None
-        self.impl(self.chunk_size, noop_flag, [grads] + self.state_lists, scalars, grad_scale,
+        self.impl(self.chunk_size, noop_flag, self.lists.with_grads(grads), scalars, grad_scale,
                   check_finite)
 
 

@@ -75,21 +75,6 @@ def _warn_once() -> None:
         RuntimeWarning, stacklevel=4)
 
 
-ADAM_OPS = tuple(name for name, spec in schema.OPS.items() if spec.rule is not None)
-
-
-def _adam(op: str):
-    def impl(chunk_size, noop_flag, tensor_lists, scalars, grad_scale=None, check_finite=False):
-        k = kernels()
-        if k is None:
-            return reference.adam_family(chunk_size, noop_flag, tensor_lists, scalars,
-                                         grad_scale, check_finite)
-        return k.adam_family(op)(chunk_size, noop_flag, tensor_lists, scalars, grad_scale,
-                                 check_finite)
-    impl.__name__ = f"triton_{op}"
-    return impl
-
-
 def scale(chunk_size, noop_flag, tensor_lists, scale_factor):
     k = kernels()
     if k is None or not k.scale(chunk_size, noop_flag, tensor_lists, scale_factor):
@@ -104,22 +89,20 @@ def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     return out
 
 
-def prepare(op: str, state_lists, chunk_size: int):
+def prepare(op: str, lists, chunk_size: int, once: bool = False):
     """A bucket bound to its state lists: the Triton bucket, or the reference without triton."""
     k = kernels()
     if k is None:
-        return PreparedOp(reference.adam_family, state_lists, chunk_size)
-    return k.AdamBucket(op, state_lists, chunk_size)
+        return PreparedOp(reference.adam_family, lists, chunk_size)
+    return k.AdamBucket(op, lists, chunk_size)
 
-
-OPS = {op: _adam(op) for op in ADAM_OPS}
-OPS.update(scale=scale, l2norm=l2norm)
 
 BACKEND = register_backend(Backend(
     name="triton",
     device_types=("cuda",),
     priority=20,
-    ops=OPS,
+    ops={"scale": scale, "l2norm": l2norm},
     prepare=prepare,
+    adam_ops=schema.ADAM_OPS,
     description="Triton JIT kernels, one launch per bucket (triton imported on first CUDA use)",
 ))

@@ -551,12 +551,14 @@ class AdamBucket:
     the params' layout).
     """
 
-    def __init__(self, op: str, state_lists, chunk_size: int):
-        spec = schema.OPS[op]
+    def __init__(self, op: str, lists, chunk_size: int):
         self.op = op
-        self.ema = spec.has_ema
-        self.state_lists = [list(ts) for ts in state_lists]
-        self.master = len(self.state_lists) == (5 if self.ema else 4)
+        self.ema = lists.has_ema
+        self.master = lists.has_master
+        # the pointer table's rows: the grads, then the state lists in AdamLists' field order
+        # (params, exp_avgs, exp_avg_sqs, emas, masters: the order _adam_kernel reads them in)
+        self.list_names = [name for name, _ in lists.present() if name != "grads"]
+        self.state_lists = [list(getattr(lists, name)) for name in self.list_names]
         self.chunk = int(chunk_size)
         params = self.state_lists[0]
         self.n = len(params)
@@ -564,7 +566,7 @@ class AdamBucket:
         self.p_dt = DTYPE_CODE[params[0].dtype] if params else F32
         self.s_dt = F32 if self.master else self.p_dt
         # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)
-        emas = self.state_lists[3] if self.ema else []
+        emas = lists.emas or []
         self.e_dt = DTYPE_CODE[emas[0].dtype] if emas else self.s_dt
         self.math = torch.float64 if self.p_dt == F64 else torch.float32
         self._grad_dtypes = ((torch.float64,) if self.p_dt == F64
@@ -764,30 +766,16 @@ class AdamBucket:
         gscale = self._scal
         if grad_scale is not None:
             gscale = grad_scale.reshape(-1)[:1].to(device=self.device, dtype=self.math)
-        b = self._bases
-        p_base = b[0]
-        s_base = b[3] if self.ema else p_base
-        w_base = b[-1] if self.master else p_base
+        b = dict(zip(self.list_names, self._bases))
+        p_base = b["params"]
         _launch(_adam_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
-                self.chunk, self._g_base, p_base, b[1], b[2], s_base, w_base, self._scal, flag,
+                self.chunk, self._g_base, p_base, b["exp_avgs"], b["exp_avg_sqs"],
+                b.get("emas", p_base), b.get("masters", p_base), self._scal, flag,
                 gscale, G_DT=g_dt, P_DT=self.p_dt, S_DT=self.s_dt, E_DT=self.e_dt,
                 EMA=self.ema, MASTER=self.master, HAS_SCALE=grad_scale is not None,
                 ALIGNED=self._state_aligned and self._g_aligned, BLOCK=BLOCK)
         for st in self._staged:
             st.orig.copy_(st.copy)
-
-
-def adam_family(op: str):
-    """The backend's op implementation for Adam-family op ``op`` (one launch per call)."""
-    def impl(chunk_size, noop_flag, tensor_lists, scalars, grad_scale=None, check_finite=False):
-        if not tensor_lists[0]:
-            return
-        bucket = AdamBucket(op, tensor_lists[1:], chunk_size)
-        if not bucket.bind(tensor_lists[0]):
-            raise RuntimeError(f"multi_tensor triton: {op}: the checked lists did not bind")
-        bucket.run(noop_flag, scalars, grad_scale, check_finite)
-    impl.__name__ = f"triton_{op}"
-    return impl
 
 
 # ---------------------------------------------------------------------------------------------

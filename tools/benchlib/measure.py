@@ -331,10 +331,11 @@ def _kernel_stepper(p: torch.Tensor) -> Callable[[], None]:
     """The fused_ema_adamw kernel alone: the backend's prepared bucket, bind + run per step, as
     the optimizer's step calls it, without the optimizer's Python (plans, hyperparameters,
     torch's step hooks), so the per-element compute shows apart from the per-step overhead."""
-    from multi_tensor import rules
+    from multi_tensor import rules, schema
     from multi_tensor.backends import registry
 
-    lists = [[p.detach()], [torch.zeros_like(p)], [torch.zeros_like(p)], [p.detach().clone()]]
+    lists = schema.AdamLists(grads=None, params=[p.detach()], exp_avgs=[torch.zeros_like(p)],
+                             exp_avg_sqs=[torch.zeros_like(p)], emas=[p.detach().clone()])
     bucket = registry.backend_for("fused_ema_adamw", p.device).prepare_bucket(
         "fused_ema_adamw", lists, fused_optim.base.multi_tensor_applier.chunk_size)
     b1, b2 = BETAS

@@ -1,0 +1,96 @@
+"""The step plan every entry point shares: bucket keys, named lists, prepared buckets, scalars.
+
+Four entry points run the Adam-family update: the optimizers' eager ``step()``
+(:mod:`fused_optim.base`), the compiled custom op (:mod:`fused_optim.custom_ops`), the functional
+API (:mod:`fused_optim.functional`) and the apex ops (:mod:`multi_tensor.ops`). They all
+
+1. split rows into buckets by :func:`bucket_key` (one device, one dtype per list, one step
+   count, masters or not, one shard layout);
+2. name each bucket's lists (:class:`multi_tensor.schema.AdamLists`) and check them once
+   against the op table (:func:`multi_tensor.schema.check_adam_lists`), before anything is
+   modified;
+3. run a bucket prepared by its backend (``prepare → bind → run``, the one backend contract of
+   :mod:`multi_tensor.backends.registry`) with the step's :class:`multi_tensor.rules.StepScalars`.
+
+The optimizers keep their prepared buckets in their plans. The entry points that receive lists
+per call (the apex ops, the compiled op, the functional API) reuse them through
+:func:`prepared`: a small cache keyed by the op, the chunk size and the identity of every state
+tensor, so a loop that calls an op on the same tensors each step prepares its bucket once (the
+Triton backend's pointer tables, the NPU's flat buffers). The cache holds the tensors of its
+last :data:`CACHE_SIZE` buckets; :func:`clear_cache` lets them go.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Hashable, Optional
+
+import torch
+
+from . import rules, schema
+
+CACHE_SIZE = 16
+
+_cache: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def bucket_key(param: torch.Tensor, grad: torch.Tensor, *, master: bool, step: Optional[int] = None,
+               layout: Optional[Hashable] = None) -> tuple:
+    """The bucket a row goes to: one engine call runs rows of one key.
+
+    ``step``: the param's step count (None where steps are read when the op runs, as in the
+    compiled op, which splits by step itself); ``layout``: a DTensor's ``(mesh, placements)``,
+    so that one bucket's local shards are cut alike.
+    """
+    return (param.device, param.dtype, grad.dtype, bool(master), step, layout)
+
+
+def _key(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool) -> tuple:
+    return (spec.name, chunk_size, once, lists.has_master) + tuple(
+        tuple(map(id, tensors)) for name, tensors in lists.present() if name != "grads")
+
+
+def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: int,
+             once: bool = True):
+    """A prepared bucket of checked ``lists`` (grads bound), reused across calls on the same
+    state tensors. ``once``: the caller's tensors must stay where they are (see
+    :meth:`Backend.prepare_bucket`)."""
+    key = (backend.name,) + _key(spec, lists, chunk_size, once)
+    with _cache_lock:
+        bucket = _cache.get(key)
+        if bucket is not None:
+            _cache.move_to_end(key)
+    if bucket is None or not bucket.bind(lists.grads):
+        bucket = backend.prepare_bucket(spec.name, lists.state(), chunk_size, once)
+        if not bucket.bind(lists.grads):
+            raise RuntimeError(f"{backend.name}: {spec.name}: lists that passed the op check "
+                               f"did not bind")
+        with _cache_lock:
+            _cache[key] = bucket
+            _cache.move_to_end(key)
+            while len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
+    return bucket
+
+
+def clear_cache() -> None:
+    """Drop every cached prepared bucket (and with them the references to their tensors)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def run_adam(spec: schema.OpSpec, lists: schema.AdamLists, hyper: rules.AdamHyper, step: int,
+             noop_flag: torch.Tensor, grad_scale: Optional[torch.Tensor] = None,
+             check_finite: bool = False, chunk_size: int = 2048 * 32,
+             checked: bool = False) -> None:
+    """One Adam-family call on one bucket's named lists: checked (unless ``checked``: the caller
+    checked them already), its backend resolved, a prepared bucket reused or made, run with
+    the scalars of update number ``step``."""
+    if not checked:
+        schema.check_adam_lists(spec, lists)
+    if not lists.params:
+        return
+    backend = schema.backend_for_lists(spec, lists.present())
+    bucket = prepared(spec, lists, backend, chunk_size)
+    bucket.run(noop_flag, rules.step_scalars(hyper, step), grad_scale, bool(check_finite))
