@@ -39,15 +39,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from . import ema_schedules
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # Param-group keys torch's Adam family has and the fused optimizers do not.
 TORCH_ONLY_GROUP_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused",
                          "decoupled_weight_decay")
 # Param-group options of the fused optimizers that torch's optimizers do not have.
-FUSED_GROUP_KEYS = ("ema_decay", "ema_schedule", "ema_start_step", "ema_inv_gamma", "ema_power",
-                    "ema_min_decay", "ema_dtype", "adam_w_mode", "bias_correction",
-                    "master_weights")
+FUSED_GROUP_KEYS = (("ema_decay",) + tuple(ema_schedules.EMA_OPTION_DEFAULTS)
+                    + ("ema_dtype", "adam_w_mode", "bias_correction", "master_weights"))
 # Per-param state torch's Adam / AdamW / RAdam keep (without amsgrad).
 TORCH_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")

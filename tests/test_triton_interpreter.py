@@ -484,8 +484,22 @@ def _cpu_clone_backend():
     """The triton backend, registered for CPU tensors (interpreter) under another name."""
     from multi_tensor.backends import triton_gpu
     return registry.register_backend(registry.Backend(
-        name="triton_interp", device_types=("cpu",), priority=1000, ops=triton_gpu.OPS,
-        prepare=triton_gpu.prepare, description="the triton backend on CPU tensors (interpreter)"))
+        name="triton_interp", device_types=("cpu",), priority=1000,
+        ops={"scale": triton_gpu.scale, "l2norm": triton_gpu.l2norm},
+        prepare=triton_gpu.prepare, adam_ops=schema.ADAM_OPS,
+        description="the triton backend on CPU tensors (interpreter)"))
+
+
+@case("apex-five-lists-same-on-every-backend")
+def _apex_five_lists():
+    """The apex calls of tests/test_apex_lists.py on the triton buckets: the same error for an
+    EMA op without a decay, the same bits as the reference otherwise."""
+    import apex_lists_cases
+    _cpu_clone_backend()
+    for run in apex_lists_cases.CALLS:
+        got = apex_lists_cases.outcome(run, "triton_interp")
+        want = apex_lists_cases.outcome(run, "reference")
+        apex_lists_cases.assert_same_outcome(got, want, f"{run.__name__}: triton_interp")
 
 
 def _optimizer_case(cls_name: str, dtype: str, scheduled: bool = False, capturable: bool = False):
