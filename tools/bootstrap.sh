@@ -32,7 +32,7 @@ if [[ "${1:-}" == "--test" ]]; then
     # the linter .ci/run runs before the tests (configured in pyproject.toml); pinned, so a new
     # ruff release cannot fail CI with rules the code has not seen
     build_deps+=("ruff==${RUFF_VERSION:-0.17.6}")
-    # the frameworks tests/test_frameworks.py runs the README's recipes in; pinned to versions
+    # the frameworks tests/test_frameworks.py runs docs/recipes.md's recipes in; pinned to versions
     # tested with torch 2.13, whose torch requirement (>= 2.1) the installed torch meets
     build_deps+=(lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0)
     # triton: the CUDA backend's kernels, tested on CPU (interpreter + PTX). An installed triton
