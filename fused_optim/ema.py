@@ -229,7 +229,8 @@ class EmaAccessMixin(EmaBufferMixin):
 
         ``None`` copies them into the optimizer's own params. A target that is one of the
         optimizer's own params then *becomes* the EMA weights: its fp32 master (if it has one) is
-        set to the EMA too (exactly: a bf16 EMA, ``ema_dtype=torch.bfloat16``, widens exactly), so a later ``step()`` continues from the EMA weights, for fp16/bf16
+        set to the EMA too (exactly: a bf16 EMA, ``ema_dtype=torch.bfloat16``, widens exactly),
+        so a later ``step()`` continues from the EMA weights, for fp16/bf16
         params with masters as for fp32 ones (MindSpeed's ``copy_to`` semantics). Moments and the
         EMA are untouched. Use :meth:`store` first and :meth:`restore` after to get the training
         weights (and masters) back exactly.
@@ -348,7 +349,8 @@ class EmaAccessMixin(EmaBufferMixin):
 
         Values are in the param's dtype unless ``dtype`` is given (e.g. ``torch.float32`` to export
         the fp32 EMA of a bf16 model without rounding it to bf16; with ``ema_dtype=torch.bfloat16``
-        the EMA itself is bf16, and a wider ``dtype`` holds its exact value). With a buffer EMA (:meth:`register_ema_buffers`;
+        the EMA itself is bf16, and a wider ``dtype`` holds its exact value). With a buffer EMA
+        (:meth:`register_ema_buffers`;
         ``ema_buffers=None`` or ``True``) the module's buffers of the kept names are replaced by
         their EMA (floating buffers, in the buffer's dtype unless ``dtype`` is given) or the kept
         copy (others); ``ema_buffers=True`` raises if no buffer EMA is kept, ``False`` leaves the

@@ -23,7 +23,8 @@ Buffer EMA
 
 A ``step()`` that makes no EMA update leaves the buffer EMA alone: one without grads, one that
 ``torch.amp.GradScaler`` skips (``found_inf``; decided on the device, without a host sync, when
-``found_inf`` is not on the CPU), or one skipped for a non-finite grad norm (``max_grad_norm``). The update runs in a step post-hook
+``found_inf`` is not on the CPU), or one skipped for a non-finite grad norm (``max_grad_norm``).
+The update runs in a step post-hook
 (``torch.optim.Optimizer.register_step_post_hook``), after the post-hooks registered before it.
 
 ``swap_ema_weights()``, ``copy_ema_to(None | module)`` and ``ema_state_dict(module)`` then include

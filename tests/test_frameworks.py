@@ -163,7 +163,6 @@ def test_lightning_refuses_gradient_clip_val_with_fused_unscale_use_max_grad_nor
 def test_lightning_fp16_grad_scaler(tmp_path):
     """fp16 autocast with a GradScaler. Lightning turns ``precision="16-mixed"`` on the CPU into
     bf16-mixed, so the test hands it the MixedPrecision plugin with a CPU GradScaler directly."""
-    L = _lightning()[0]
     _, Regressor, _ = _lightning()
     from lightning.pytorch.plugins.precision import MixedPrecision
 
