@@ -168,7 +168,8 @@ class AdamStateMixin:
         lr = group["lr"]
         return rules.AdamHyper(
             # capturable: a tensor lr is read by the kernel on the device (see _device_lr)
-            lr=0.0 if isinstance(lr, torch.Tensor) and group.get("capturable") else float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+            lr=0.0 if isinstance(lr, torch.Tensor) and group.get("capturable") else float(lr),
+            beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]), decoupled=self._decoupled(group),
             bias_correction=bool(group.get("bias_correction", True)),
             maximize=bool(group.get("maximize", False)),

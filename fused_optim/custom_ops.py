@@ -10,7 +10,8 @@ Arguments: ``op``, a name from :data:`multi_tensor.schema.OPS` (``fused_ema_adam
 ``radam``, ``radam_ema``); one bucket's lists, already checked against that op's table entry
 (``emas`` empty for ops without an EMA, ``masters`` empty without master weights); ``steps``, each
 param's ``state["step"]`` (float32 scalar tensors, none of them shared); the group's
-hyperparameters as Python scalars; the EMA schedule by name and ``ema_update_every`` (a callable cannot be an op argument);
+hyperparameters as Python scalars; the EMA schedule by name and ``ema_update_every`` (a
+callable cannot be an op argument);
 GradScaler's ``grad_scale`` and ``found_inf``.
 
 The step number is a tensor in a traced step, so the per-step scalars cannot be folded into the
@@ -22,7 +23,7 @@ value. Every step of a bucket then advances by one; with ``found_inf`` set nothi
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 

@@ -27,7 +27,8 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                                                            only in adam_w_mode (decoupled)
         ema = ema + (1 - ema_decay) * (p - ema)          (= ema_decay * ema + (1 - ema_decay) * p)
 
-    The operation order every backend follows, bit for bit, is :mod:`multi_tensor.rules`'. All of it is one multi-tensor engine call per (device, dtype) bucket per step, reading each
+    The operation order every backend follows, bit for bit, is :mod:`multi_tensor.rules`'. All
+    of it is one multi-tensor engine call per (device, dtype) bucket per step, reading each
     of grad, p, m, v, ema once and writing p, m, v, ema once.
 
     Args:

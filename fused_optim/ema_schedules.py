@@ -58,7 +58,7 @@ Schedules (``ema_schedule``)
     (``ema_inv_gamma`` = 1, ``ema_power`` = 2/3 by default, as diffusers). timm's
     ``ModelEmaV3(use_warmup=True)`` with ``update(model, step=t)`` computes the same decays;
     ema-pytorch's ``EMA(update_every=1)`` the same formula, which it evaluates in fp32 tensors
-    (so its decays differ from these in the last bits). See the migration table in the README.
+    (so its decays differ from these in the last bits). See the migration table in docs/migrating.md.
 a callable ``fn(n) -> float``
     ``fn`` gets the EMA update count ``n >= 1`` and returns the decay, used as it is (``ema_decay``
     does not cap it). A value outside ``[0, 1)`` raises ``ValueError`` naming it and the step,

@@ -15,7 +15,7 @@ import torch
 
 import fused_optim
 from fused_optim import FusedEmaAdamW
-from fused_optim.ema import BUFFERS_KEY
+from fused_optim.ema_buffers import BUFFERS_KEY
 
 STEPS = 30
 

@@ -1,4 +1,5 @@
-"""The README's EMA migration table, row by row, against the update each peer's code performs.
+"""The EMA migration table of docs/migrating.md, row by row, against the update each peer's code
+performs.
 
 Each peer's EMA (diffusers ``EMAModel``, timm ``ModelEmaV3``, ema-pytorch ``EMA``, MindSpeed
 ``FusedEmaAdamW``) is transcribed below from its source into a small float64 reference (the peers

@@ -1,4 +1,4 @@
-"""The README's recipes, run small: Lightning, the Hugging Face Trainer and a plain loop.
+"""The recipes of docs/recipes.md, run small: Lightning, the Hugging Face Trainer and a plain loop.
 
 Each framework test skips when its package is absent (``tools/bootstrap.sh --test`` installs
 them). A framework run is compared with the same plain loop: bit for bit where the framework does
@@ -163,7 +163,6 @@ def test_lightning_refuses_gradient_clip_val_with_fused_unscale_use_max_grad_nor
 def test_lightning_fp16_grad_scaler(tmp_path):
     """fp16 autocast with a GradScaler. Lightning turns ``precision="16-mixed"`` on the CPU into
     bf16-mixed, so the test hands it the MixedPrecision plugin with a CPU GradScaler directly."""
-    L = _lightning()[0]
     _, Regressor, _ = _lightning()
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -323,7 +322,7 @@ def test_hf_trainer_resume_is_bit_exact_and_ema_export(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# A plain (timm-style) loop: the README's recipe as written. GradScaler with the fused unscale
+# A plain (timm-style) loop: docs/recipes.md's recipe as written. GradScaler with the fused unscale
 # and clipping against clip_grad_norm_ are tested in test_amp_clipping.py, resume under a
 # GradScaler in test_state_dict_amp.py.
 

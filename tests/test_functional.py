@@ -73,7 +73,6 @@ def test_random_shapes_and_layouts(backend, mode, bias_correction, weight_decay)
         made = [_views(gen, shape, kinds[(i + k) % 3]) for k in range(5)]
         grad, var, m, v, s = (t for t, _ in made)
         v.abs_()
-        bases = [b for _, b in made]
         for step in (1, 2, 5):
             grad.copy_(torch.randn(shape, generator=gen))
             expected = seed_update(grad, var, m, v, s, step, hp["lr"], hp["ema_decay"], hp["beta1"],

@@ -4,7 +4,6 @@ schedulers, hooks, closures and EMA access."""
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch

@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
-import multi_tensor
 from multi_tensor import (MultiTensorApply, multi_tensor_applier, multi_tensor_fused_ema_adamw,
                           multi_tensor_l2norm, multi_tensor_scale)
 from seed_reference import (assert_bitwise_equal, assert_close64, assert_unchanged,
-                            assert_within_ulps, bits, seed_update, snapshot)
+                            assert_within_ulps, seed_update, snapshot)
 
 SHAPES = [(), (0,), (1,), (17,), (4, 0), (5, 9), (3, 4, 5), (70, 33)]
 LAYOUTS = ("contiguous", "transposed", "sliced")

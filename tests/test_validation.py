@@ -7,9 +7,9 @@ import torch
 
 import fused_optim
 from fused_optim import FusedEmaAdamW, fused_ema_adamw, npu_apply_fused_ema_adamw
-from multi_tensor import (MultiTensorApply, multi_tensor_applier, multi_tensor_fused_ema_adamw,
+from multi_tensor import (multi_tensor_applier, multi_tensor_fused_ema_adamw,
                           multi_tensor_l2norm, multi_tensor_scale)
-from seed_reference import assert_bitwise_equal, assert_unchanged, snapshot
+from seed_reference import assert_unchanged, snapshot
 
 NAMES = ["grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters"]
 SHAPES = [(3, 4), (5,)]

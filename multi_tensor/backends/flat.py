@@ -32,7 +32,7 @@ launch, so flattening would buy them nothing and cost them a grad gather per ste
 and write of every grad) and the re-pointing below. A backend whose device operator is
 per-tensor, or that wants zero-copy Megatron-style grads, opts in by using this module.
 
-Costs, documented where users meet them (README, "Ascend NPU"):
+Costs, documented where users meet them (docs/npu.md):
 
 * State tensors become views of shared storage. ``state_dict()`` still returns one tensor per
   param and entry (the format does not change) and ``torch.save`` of the whole dict writes each

@@ -10,7 +10,8 @@ What runs where:
 
 * Adam family (``fused_ema_adamw``, ``adam``, ``radam``, ``radam_ema``, with or without fp32
   masters): params fp32/fp16/bf16/fp64, grads fp32/fp16/bf16 (fp64 for fp64), the EMA in the
-  state dtype or bf16 (its storage dtype is a constexpr of its own), one launch per bucket (plus one scan launch when ``check_finite``). The same bits as the reference backend
+  state dtype or bf16 (its storage dtype is a constexpr of its own), one launch per bucket
+  (plus one scan launch when ``check_finite``). The same bits as the reference backend
   (:mod:`multi_tensor.rules`' operation order, IEEE division and sqrt, no FMA contraction,
   bf16/fp16 rounded to nearest even once).
 * ``scale``: one launch per (src dtype, dst dtype) pair present; the same bits as the reference.

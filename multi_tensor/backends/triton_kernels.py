@@ -879,7 +879,8 @@ def aot_variants():
     """(name, kernel, signature, constexprs): every kernel of this module, specialised as the
     backend launches it, for the ahead-of-time PTX check. Adam family: each (param, grad,
     masters) dtype path once, EMA / grad scale / ALIGNED both ways (all four combinations for
-    the fp32 and fp64 paths), and a bf16 EMA beside fp32 and fp16 state (aligned or not); scale: every (src, dst) dtype pair; l2norm: each input dtype and
+    the fp32 and fp64 paths), and a bf16 EMA beside fp32 and fp16 state (aligned or not);
+    scale: every (src, dst) dtype pair; l2norm: each input dtype and
     both combine phases; the device step kernel with fp32 and fp64 scalars, lr float or tensor."""
     out = []
     combos = [  # (param, grad, master, ema storage: None = the state dtype)
