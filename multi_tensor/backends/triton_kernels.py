@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import rules, schema
+from .. import rules
 
 # dtype codes (constexpr kernel arguments)
 F32, F16, BF16, F64 = 0, 1, 2, 3
