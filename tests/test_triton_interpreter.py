@@ -379,6 +379,13 @@ def _device_scalars():
                                              f"scalar slots {bad} differ: {got} vs {want}")
 
 
+@case("scalar-offsets")
+def _scalar_offsets():
+    """Each StepScalars field read at its own offset (tests/test_scalar_layout.py's sets)."""
+    import test_scalar_layout
+    test_scalar_layout.check_backend(lambda op, lists, c: run_adam(op, lists, c, 64), "triton")
+
+
 @case("device-step-results")
 def _device_results():
     """run_device_step == run with the host's scalars; a set noop keeps the step and the data."""
