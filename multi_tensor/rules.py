@@ -81,7 +81,8 @@ class StepScalars(NamedTuple):
     """Every scalar of one step, in double; a backend rounds each once to its math type.
 
     The field order is the packed layout every kernel reads (:data:`SCALAR_OFFSET`, :func:`pack`,
-    ``csrc/include/step_scalars.h``): a new field goes anywhere here, and the offsets follow.
+    ``csrc/include/step_scalars.h``): a new field may go anywhere in this list and every offset
+    follows (regenerate the header with ``python tools/step_scalars_header.py``).
     """
 
     beta1: float
