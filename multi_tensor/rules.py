@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Tuple, get_type_hints
+
+import torch
 
 ADAM = "adam"
 RADAM = "radam"
@@ -78,7 +80,9 @@ class AdamHyper:
 class StepScalars(NamedTuple):
     """Every scalar of one step, in double; a backend rounds each once to its math type.
 
-    Field order is the native kernel's struct order (``csrc/include/adam_rule.h``).
+    The field order is the packed layout every kernel reads (:data:`SCALAR_OFFSET`, :func:`pack`,
+    ``csrc/include/step_scalars.h``): a new field may go anywhere in this list and every offset
+    follows (regenerate the header with ``python tools/step_scalars_header.py``).
     """
 
     beta1: float
@@ -155,3 +159,98 @@ def step_scalars(h: AdamHyper, step: int) -> StepScalars:
         ema_w=1.0 - h.ema_decay if ema else 0.0,
         l2=has_wd and not h.decoupled, decoupled=has_wd and h.decoupled,
         use_denom=use_denom, maximize=bool(h.maximize), ema=ema)
+
+
+# --- the packed layouts -----------------------------------------------------------------------
+# The one definition of where each scalar sits for a kernel. Slot i of a packed buffer is field i
+# of its NamedTuple, a double rounded once to the buffer's dtype, a flag as 0.0 / 1.0. The Triton
+# kernels read the buffers at these offsets; the native kernel reads the StepScalars tuple by the
+# same indices through csrc/include/step_scalars.h, which ``python tools/step_scalars_header.py``
+# writes from :func:`header_text` (tests/test_scalar_layout.py fails when it is stale).
+
+
+class DeviceHyper(NamedTuple):
+    """The step-independent inputs from which a device computes a step's step-dependent
+    :class:`StepScalars` fields (``lr_wd``, ``isb2``, ``step_size``, ``use_denom``) as
+    :func:`step_scalars` does: the Triton backend's device-step kernel reads them packed."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    lr_wd_on: bool         # decoupled decay with weight_decay != 0 (lr_wd = lr * weight_decay)
+    bias_correction: bool  # always on for RAdam
+    radam: bool
+
+
+def _offsets(fields: Tuple[str, ...]) -> Dict[str, int]:
+    return {name: i for i, name in enumerate(fields)}
+
+
+SCALAR_FIELDS: Tuple[str, ...] = StepScalars._fields
+SCALAR_FLAGS: Tuple[str, ...] = tuple(
+    name for name, t in get_type_hints(StepScalars).items() if t is bool)
+SCALAR_OFFSET: Dict[str, int] = _offsets(SCALAR_FIELDS)
+N_SCALARS = len(SCALAR_FIELDS)
+
+HYPER_FIELDS: Tuple[str, ...] = DeviceHyper._fields
+HYPER_OFFSET: Dict[str, int] = _offsets(HYPER_FIELDS)
+N_HYPER = len(HYPER_FIELDS)
+
+
+def device_hyper(h: AdamHyper) -> DeviceHyper:
+    """The :class:`DeviceHyper` of ``h``."""
+    wd = float(h.weight_decay)
+    return DeviceHyper(lr=float(h.lr), beta1=float(h.beta1), beta2=float(h.beta2),
+                       weight_decay=wd, lr_wd_on=wd != 0.0 and h.decoupled,
+                       bias_correction=bool(h.bias_correction or h.rule == RADAM),
+                       radam=h.rule == RADAM)
+
+
+def pack(values: NamedTuple, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The packed buffer of a :class:`StepScalars` (or :class:`DeviceHyper`): a CPU tensor of
+    ``dtype`` whose slot i is field i, each double rounded once to ``dtype`` (a flag: 0.0 / 1.0)."""
+    return torch.tensor([float(x) for x in values], dtype=torch.float64).to(dtype)
+
+
+def header_text() -> str:
+    """``csrc/include/step_scalars.h``: the native kernel's view of :class:`StepScalars`."""
+    def const(name: str) -> str:
+        return "kStepScalar" + "".join(part.capitalize() for part in name.split("_"))
+
+    lines = [
+        "// Generated from multi_tensor/rules.py by `python tools/step_scalars_header.py`: do not",
+        "// edit (tests/test_scalar_layout.py fails when this file differs from what rules.py gives).",
+        "//",
+        "// multi_tensor.rules.StepScalars in its field order: index i of the Python tuple (and slot i",
+        "// of the buffer multi_tensor.rules.pack gives the Triton kernels) holds field i.",
+        "#pragma once",
+        "",
+        "namespace multi_tensor_rules {",
+        "",
+    ]
+    lines += [f"constexpr int {const(name)} = {i};" for i, name in enumerate(SCALAR_FIELDS)]
+    lines += [
+        f"constexpr int kNumStepScalars = {N_SCALARS};",
+        "constexpr const char* kStepScalarNames[kNumStepScalars] = {",
+        *[f'    "{name}",' for name in SCALAR_FIELDS],
+        "};",
+        "",
+        "// Each field a double rounded once to T; a flag a bool.",
+        "template <typename T>",
+        "struct StepScalars {",
+        *[f"  {'bool' if name in SCALAR_FLAGS else 'T'} {name};" for name in SCALAR_FIELDS],
+        "};",
+        "",
+        "// Fills c from a source read by index: value(i) gives field i as a double, flag(i) as a bool.",
+        "template <typename T, typename Value, typename Flag>",
+        "inline void read_step_scalars(StepScalars<T>& c, const Value& value, const Flag& flag) {",
+    ]
+    for name in SCALAR_FIELDS:
+        if name in SCALAR_FLAGS:
+            lines.append(f"  c.{name} = flag({const(name)});")
+        else:
+            lines.append(f"  c.{name} = static_cast<T>(value({const(name)}));")
+    lines += ["}", "", "}  // namespace multi_tensor_rules", ""]
+    return "\n".join(lines)
+

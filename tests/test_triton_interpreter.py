@@ -353,12 +353,6 @@ def _bucket_rebind():
     assert len(bad) == n
 
 
-def _scalars_row(c: rules.StepScalars, dtype) -> torch.Tensor:
-    vals = [c.beta1, c.omb1, c.beta2, c.omb2, c.l2_wd, c.lr_wd, c.isb2, c.eps, c.step_size,
-            c.ema_w, float(c.l2), float(c.decoupled), float(c.use_denom), float(c.maximize)]
-    return torch.tensor(vals, dtype=F64).to(dtype)
-
-
 @case("device-step-scalars")
 def _device_scalars():
     """The device's scalars equal rules.step_scalars rounded once, bit for bit, at every step."""
@@ -381,12 +375,19 @@ def _device_scalars():
                     assert bucket.bind([g.clone() for g in lists[0]])
                     bucket.run_device_step(step, hh, torch.zeros(1, dtype=torch.int32), None, lr)
                     assert float(step) == float(s)
-                    want = _scalars_row(rules.step_scalars(hh, s), dtype)
-                    got = bucket._scal[:14]
+                    want = rules.pack(rules.step_scalars(hh, s), dtype)
+                    got = bucket._scal
                     if not same_bits(got, want):
                         bad = (bits(got) != bits(want)).nonzero().flatten().tolist()
                         raise AssertionError(f"{h} lr_tensor={lr_tensor} step {s} {dtype}: "
                                              f"scalar slots {bad} differ: {got} vs {want}")
+
+
+@case("scalar-offsets")
+def _scalar_offsets():
+    """Each StepScalars field read at its own offset (tests/test_scalar_layout.py's sets)."""
+    import test_scalar_layout
+    test_scalar_layout.check_backend(lambda op, lists, c: run_adam(op, lists, c, 64), "triton")
 
 
 @case("device-step-results")

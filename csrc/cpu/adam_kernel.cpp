@@ -95,24 +95,19 @@ KernelFn for_param(c10::ScalarType pt, c10::ScalarType gt, bool master) {
 
 template <typename M>
 AdamScalars<M> round_scalars(py::handle h, const std::optional<at::Tensor>& grad_scale) {
-  auto f = [&](const char* name) { return static_cast<M>(h.attr(name).cast<double>()); };
-  auto b = [&](const char* name) { return h.attr(name).cast<bool>(); };
+  // A StepScalars is a tuple: field i at index i (step_scalars.h, generated from rules.py). The
+  // size check catches an extension built from another rules.py.
+  TORCH_CHECK(PyTuple_Check(h.ptr()) &&
+                  PyTuple_GET_SIZE(h.ptr()) == multi_tensor_rules::kNumStepScalars,
+              "AdamBucket.run(): scalars must be a multi_tensor.rules.StepScalars of ",
+              multi_tensor_rules::kNumStepScalars, " fields, got ",
+              py::str(py::type::handle_of(h)).cast<std::string>(), " of length ",
+              PyTuple_Check(h.ptr()) ? PyTuple_GET_SIZE(h.ptr()) : -1,
+              " (an extension built from another multi_tensor/rules.py?)");
+  const auto t = py::reinterpret_borrow<py::tuple>(h);
   AdamScalars<M> c;
-  c.beta1 = f("beta1");
-  c.omb1 = f("omb1");
-  c.beta2 = f("beta2");
-  c.omb2 = f("omb2");
-  c.l2_wd = f("l2_wd");
-  c.lr_wd = f("lr_wd");
-  c.isb2 = f("isb2");
-  c.eps = f("eps");
-  c.step_size = f("step_size");
-  c.ema_w = f("ema_w");
-  c.l2 = b("l2");
-  c.decoupled = b("decoupled");
-  c.use_denom = b("use_denom");
-  c.maximize = b("maximize");
-  c.ema = b("ema");
+  multi_tensor_rules::read_step_scalars<M>(
+      c, [&](int i) { return t[i].cast<double>(); }, [&](int i) { return t[i].cast<bool>(); });
   c.has_scale = grad_scale.has_value() && grad_scale->defined();
   c.inv_scale = M(1);
   if (c.has_scale) {

@@ -17,6 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "multi_tensor native CPU kernels (" MT_STR(CPU_CAPABILITY) ")";
   m.attr("capability") = MT_STR(CPU_CAPABILITY);
   m.attr("inline_numel") = multi_tensor_cpu::kInlineNumel;
+  // The StepScalars layout this build reads (multi_tensor/backends/native_cpu.py refuses a
+  // build whose layout is not rules.py's).
+  py::tuple fields(multi_tensor_rules::kNumStepScalars);
+  for (int i = 0; i < multi_tensor_rules::kNumStepScalars; ++i)
+    fields[i] = multi_tensor_rules::kStepScalarNames[i];
+  m.attr("step_scalar_fields") = fields;
   py::class_<AdamBucket>(m, "AdamBucket",
                          "An Adam-family op bound to one bucket's lists (a "
                          "multi_tensor.schema.AdamLists, read by name), checked by the Python "

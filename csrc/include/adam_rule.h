@@ -4,17 +4,18 @@
 // V needs +, -, *, / (each one correctly rounded IEEE operation, compiled without FMA
 // contraction), construction from a scalar T, and two free functions found by argument-dependent
 // lookup or overloads: ieee_sqrt(V) (correctly rounded) and negate(V) (flips the sign bit).
-// The scalars are multi_tensor.rules.StepScalars, each rounded once from double to T by the
-// backend; a GPU kernel mirrors this function line for line.
+// The scalars are multi_tensor.rules.StepScalars (step_scalars.h, generated from rules.py), each
+// rounded once from double to T by the backend; a GPU kernel mirrors this function line for line.
 #pragma once
+
+#include "step_scalars.h"
 
 namespace multi_tensor_rules {
 
 template <typename T>
-struct AdamScalars {
-  T beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w;
+struct AdamScalars : StepScalars<T> {
   T inv_scale;  // T(1) / grad_scale, when has_scale
-  bool l2, decoupled, use_denom, maximize, ema, has_scale;
+  bool has_scale;
 };
 
 // One element (or one vector of elements). g: the grad converted to T; w: the weights (fp32

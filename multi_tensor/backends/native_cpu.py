@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .. import build, schema
+from .. import build, rules, schema
 from . import reference
 from .registry import Backend, register_backend
 
@@ -51,6 +51,16 @@ def _cpu_capability() -> str:
         return "DEFAULT"
 
 
+def _layout_error(mod) -> Optional[str]:
+    """Why ``mod`` cannot run this rules.py's scalars (built from an older StepScalars), or None."""
+    fields = tuple(getattr(mod, "step_scalar_fields", ()))
+    if fields == rules.SCALAR_FIELDS:
+        return None
+    return (f"built for the StepScalars fields {fields}, not multi_tensor/rules.py's "
+            f"{rules.SCALAR_FIELDS} (a stale build; rebuild it: python setup.py build_ext "
+            f"--inplace, or pip install --no-build-isolation .)")
+
+
 def _load():
     """The best allowed extension module: prebuilt (installed with the package), else built on
     first use into the cache (:mod:`multi_tensor.build`). Returns (module, capability, error)."""
@@ -59,11 +69,19 @@ def _load():
     errors = []
     for suffix, cap in allowed:
         try:
-            return importlib.import_module(f"multi_tensor.{suffix}"), cap, None
+            mod = importlib.import_module(f"multi_tensor.{suffix}")
         except ModuleNotFoundError:
             continue  # not built ahead of time
         except Exception as exc:  # an ABI mismatch surfacing as ImportError/OSError etc.
             errors.append(f"multi_tensor.{suffix}: {type(exc).__name__}: {exc}")
+            continue
+        stale = _layout_error(mod)
+        if stale is None:
+            return mod, cap, None
+        errors.append(f"multi_tensor.{suffix}: {stale}")
+    if any("stale build" in e for e in errors):
+        # a first-use build of the same module name cannot be loaded into this process any more
+        return None, None, "; ".join(errors)
     if not allowed:
         return None, None, f"no extension module is usable for CPU capability {cpu_cap}"
     suffix, cap = allowed[0]
@@ -72,7 +90,12 @@ def _load():
         return None, None, "; ".join(errors)
     isa = suffix[len("_C_"):]
     try:
-        return build.load(isa, build.build(isa)), cap, None
+        mod = build.load(isa, build.build(isa))
+        stale = _layout_error(mod)
+        if stale is None:
+            return mod, cap, None
+        errors.append(f"first-use build of multi_tensor.{suffix}: {stale}")
+        return None, None, "; ".join(errors)
     except Exception as exc:  # BuildError, or a built module that does not load
         errors.append(f"first-use build of multi_tensor.{suffix}: {type(exc).__name__}: {exc}")
         return None, None, "; ".join(errors)

@@ -58,13 +58,31 @@ NORM_BLOCK = 4096      # l2norm: fixed blocks, so the result does not depend on 
 NORM_RBLOCK = 1024     # l2norm: the combine's vector width
 COMPILE_OPTIONS = dict(enable_fp_fusion=False)
 
-# The scalars buffer (math dtype), in StepScalars order, then the flags as 0.0 / 1.0.
-S_BETA1, S_OMB1, S_BETA2, S_OMB2, S_L2WD, S_LRWD, S_ISB2, S_EPS, S_STEP, S_EMAW = range(10)
-S_L2, S_DECOUPLED, S_USE_DENOM, S_MAXIMIZE = 10, 11, 12, 13
-N_SCALARS = 16
-# The hyperparameter buffer (fp64) the device step kernel reads.
-H_LR, H_BETA1, H_BETA2, H_WD, H_LR_WD_ON, H_BIAS_CORR, H_RADAM = range(7)
-N_HYPER = 8
+# The kernels' offsets into the packed buffers, from multi_tensor.rules (the one layout): the
+# scalars buffer (math dtype, rules.pack of a StepScalars) and the hyperparameter buffer (fp64,
+# rules.pack of a DeviceHyper) the device step kernel reads.
+_S, _H = rules.SCALAR_OFFSET, rules.HYPER_OFFSET
+S_BETA1 = tl.constexpr(_S["beta1"])
+S_OMB1 = tl.constexpr(_S["omb1"])
+S_BETA2 = tl.constexpr(_S["beta2"])
+S_OMB2 = tl.constexpr(_S["omb2"])
+S_L2_WD = tl.constexpr(_S["l2_wd"])
+S_LR_WD = tl.constexpr(_S["lr_wd"])
+S_ISB2 = tl.constexpr(_S["isb2"])
+S_EPS = tl.constexpr(_S["eps"])
+S_STEP_SIZE = tl.constexpr(_S["step_size"])
+S_EMA_W = tl.constexpr(_S["ema_w"])
+S_L2 = tl.constexpr(_S["l2"])
+S_DECOUPLED = tl.constexpr(_S["decoupled"])
+S_USE_DENOM = tl.constexpr(_S["use_denom"])
+S_MAXIMIZE = tl.constexpr(_S["maximize"])
+H_LR = tl.constexpr(_H["lr"])
+H_BETA1 = tl.constexpr(_H["beta1"])
+H_BETA2 = tl.constexpr(_H["beta2"])
+H_WEIGHT_DECAY = tl.constexpr(_H["weight_decay"])
+H_LR_WD_ON = tl.constexpr(_H["lr_wd_on"])
+H_BIAS_CORRECTION = tl.constexpr(_H["bias_correction"])
+H_RADAM = tl.constexpr(_H["radam"])
 STEP_BITS = 32  # the device step counter's binary exponentiation covers steps < 2**32
 
 
@@ -204,20 +222,20 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
         start = tl.multiple_of(start, 16)
     end = tl.minimum(start + chunk.to(tl.int64), numel)
     end = tl.where(tl.load(noop) != 0, start, end)  # noop set (or found_inf): change nothing
-    beta1 = tl.load(scal + 0)
-    omb1 = tl.load(scal + 1)
-    beta2 = tl.load(scal + 2)
-    omb2 = tl.load(scal + 3)
-    l2_wd = tl.load(scal + 4)
-    lr_wd = tl.load(scal + 5)
-    isb2 = tl.load(scal + 6)
-    eps = tl.load(scal + 7)
-    step_size = tl.load(scal + 8)
-    ema_w = tl.load(scal + 9)
-    l2 = tl.load(scal + 10) != 0
-    decoupled = tl.load(scal + 11) != 0
-    use_denom = tl.load(scal + 12) != 0
-    maximize = tl.load(scal + 13) != 0
+    beta1 = tl.load(scal + S_BETA1)
+    omb1 = tl.load(scal + S_OMB1)
+    beta2 = tl.load(scal + S_BETA2)
+    omb2 = tl.load(scal + S_OMB2)
+    l2_wd = tl.load(scal + S_L2_WD)
+    lr_wd = tl.load(scal + S_LR_WD)
+    isb2 = tl.load(scal + S_ISB2)
+    eps = tl.load(scal + S_EPS)
+    step_size = tl.load(scal + S_STEP_SIZE)
+    ema_w = tl.load(scal + S_EMA_W)
+    l2 = tl.load(scal + S_L2) != 0
+    decoupled = tl.load(scal + S_DECOUPLED) != 0
+    use_denom = tl.load(scal + S_USE_DENOM) != 0
+    maximize = tl.load(scal + S_MAXIMIZE) != 0
     inv_scale = beta1
     if HAS_SCALE:
         inv_scale = _div(tl.full((), 1.0, MATH), tl.load(gscale).to(MATH), IS64)
@@ -290,13 +308,13 @@ def _step_scalars_kernel(hyp, step, noop, lr_ptr, scal, LR_TENSOR: tl.constexpr,
     if LR_TENSOR:
         lr = tl.load(lr_ptr).to(tl.float64)
     else:
-        lr = tl.load(hyp + 0)
-    beta1 = tl.load(hyp + 1)
-    beta2 = tl.load(hyp + 2)
-    wd = tl.load(hyp + 3)
-    lr_wd_on = tl.load(hyp + 4) != 0
-    bias_correction = tl.load(hyp + 5) != 0
-    radam = tl.load(hyp + 6) != 0
+        lr = tl.load(hyp + H_LR)
+    beta1 = tl.load(hyp + H_BETA1)
+    beta2 = tl.load(hyp + H_BETA2)
+    wd = tl.load(hyp + H_WEIGHT_DECAY)
+    lr_wd_on = tl.load(hyp + H_LR_WD_ON) != 0
+    bias_correction = tl.load(hyp + H_BIAS_CORRECTION) != 0
+    radam = tl.load(hyp + H_RADAM) != 0
     one = tl.full((), 1.0, tl.float64)
     b1t = _power(beta1, t, NBITS)
     b2t = _power(beta2, t, NBITS)
@@ -319,10 +337,10 @@ def _step_scalars_kernel(hyp, step, noop, lr_ptr, scal, LR_TENSOR: tl.constexpr,
     use_denom = tl.where(radam, tl.where(rectified, 1.0, 0.0), 1.0)
     lr_wd = tl.where(lr_wd_on, lr * wd, 0.0)
     out = scal.dtype.element_ty
-    tl.store(scal + 5, lr_wd.to(out))
-    tl.store(scal + 6, isb2.to(out))
-    tl.store(scal + 8, step_size.to(out))
-    tl.store(scal + 12, use_denom.to(out))
+    tl.store(scal + S_LR_WD, lr_wd.to(out))
+    tl.store(scal + S_ISB2, isb2.to(out))
+    tl.store(scal + S_STEP_SIZE, step_size.to(out))
+    tl.store(scal + S_USE_DENOM, use_denom.to(out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,8 +640,8 @@ class AdamBucket:
         self._table = (to_device(torch.from_numpy(host), None, self.device)
                        if self.n_chunks else None)
         self._g_aligned = True
-        self._scal = torch.zeros(N_SCALARS, dtype=self.math, device=self.device)
-        self._hyp = torch.zeros(N_HYPER, dtype=torch.float64, device=self.device)
+        self._scal = torch.zeros(rules.N_SCALARS, dtype=self.math, device=self.device)
+        self._hyp = torch.zeros(rules.N_HYPER, dtype=torch.float64, device=self.device)
 
     def _column(self, tensors) -> Tuple[Optional[torch.Tensor], np.ndarray, bool]:
         """A list's base pointer, its row of the table (per chunk) and whether all is aligned."""
@@ -709,12 +727,7 @@ class AdamBucket:
             raise RuntimeError("multi_tensor triton: run() without a successful bind()")
         if not self.n_chunks:
             return
-        values = [scalars.beta1, scalars.omb1, scalars.beta2, scalars.omb2, scalars.l2_wd,
-                  scalars.lr_wd, scalars.isb2, scalars.eps, scalars.step_size, scalars.ema_w,
-                  float(scalars.l2), float(scalars.decoupled), float(scalars.use_denom),
-                  float(scalars.maximize), 0.0, 0.0]
-        host = torch.tensor(values, dtype=torch.float64).to(self.math)  # rounded once, as torch
-        to_device(host, self._scal, self.device, "scalars")
+        to_device(rules.pack(scalars, self.math), self._scal, self.device, "scalars")
         self._hyper = None  # a later device step rewrites its step-independent scalars
         self._launch(_flag(noop_flag, self.device, self._spare), grad_scale, check_finite)
 
@@ -743,16 +756,10 @@ class AdamBucket:
             self._launch(flag, grad_scale, False)
 
     def _write_hyper(self, h: rules.AdamHyper) -> None:
-        c = rules.step_scalars(h, 1)  # the step-independent fields (the kernel writes the rest)
-        values = [c.beta1, c.omb1, c.beta2, c.omb2, c.l2_wd, 0.0, 1.0, c.eps, 0.0, c.ema_w,
-                  float(c.l2), float(c.decoupled), 1.0, float(c.maximize), 0.0, 0.0]
-        to_device(torch.tensor(values, dtype=torch.float64).to(self.math), self._scal,
-                  self.device, "scalars")
-        wd = float(h.weight_decay)
-        hyp = [float(h.lr), float(h.beta1), float(h.beta2), wd,
-               float(wd != 0.0 and h.decoupled), float(h.bias_correction or h.rule == rules.RADAM),
-               float(h.rule == rules.RADAM), 0.0]
-        to_device(torch.tensor(hyp, dtype=torch.float64), self._hyp, self.device, "hyperparameters")
+        # the step-independent fields (the kernel rewrites the step-dependent ones every step)
+        to_device(rules.pack(rules.step_scalars(h, 1), self.math), self._scal, self.device,
+                  "scalars")
+        to_device(rules.pack(rules.device_hyper(h)), self._hyp, self.device, "hyperparameters")
 
     def _launch(self, flag: torch.Tensor, grad_scale, check_finite: bool) -> None:
         for st in self._staged:
