@@ -23,6 +23,7 @@ import torch
 
 from multi_tensor import rules, schema
 from multi_tensor.backends import native_cpu, npu_standin, reference
+from multi_tensor.ops import named_lists
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = os.path.join(ROOT, "csrc", "include", "step_scalars.h")
@@ -90,7 +91,7 @@ def _differs(a, b) -> bool:
 
 
 def _reference(op, lists, c) -> None:
-    reference.adam_family(2048, torch.zeros(1, dtype=torch.int32), lists, c)
+    reference.adam_family(2048, torch.zeros(1, dtype=torch.int32), named_lists(op, lists), c)
 
 
 def check_backend(run: Callable, what: str) -> None:
@@ -223,7 +224,7 @@ def test_native_refuses_scalars_of_another_layout():
     noop = torch.zeros(1, dtype=torch.int32)
     for bad in (tuple(c)[:-1], tuple(c) + (0.0,), types.SimpleNamespace(**c._asdict())):
         with pytest.raises(RuntimeError, match="StepScalars"):
-            run(2048, noop, lists, bad)
+            run(2048, noop, named_lists("adam", lists), bad)
     assert not _differs(lists, before), "a refused call changed a tensor"
 
 
@@ -238,7 +239,8 @@ def test_native_reads_each_field_at_its_offset():
     if native_cpu.BACKEND is None:
         pytest.skip(f"the native extension did not load: {native_cpu.load_error}")
     ops = native_cpu.BACKEND.ops
-    check_backend(lambda op, lists, c: ops[op](2048, torch.zeros(1, dtype=torch.int32), lists, c),
+    check_backend(lambda op, lists, c: ops[op](2048, torch.zeros(1, dtype=torch.int32),
+                                               named_lists(op, lists), c),
                   "native_cpu")
 
 
@@ -247,7 +249,7 @@ def test_native_prepared_bucket_reads_each_field_at_its_offset():
         pytest.skip(f"the native extension did not load: {native_cpu.load_error}")
 
     def run(op, lists, c):
-        bucket = native_cpu.BACKEND.prepare_bucket(op, lists[1:], 2048)
+        bucket = native_cpu.BACKEND.prepare_bucket(op, named_lists(op, lists).state(), 2048)
         assert bucket.bind(lists[0])
         bucket.run(torch.zeros(1, dtype=torch.int32), c)
 
@@ -257,7 +259,7 @@ def test_native_prepared_bucket_reads_each_field_at_its_offset():
 def test_npu_standin_reads_each_field_at_its_offset():
     with npu_standin.standin_backend(mode="torch") as backend:
         def run(op, lists, c):
-            bucket = backend.prepare_bucket(op, lists[1:], 2048)
+            bucket = backend.prepare_bucket(op, named_lists(op, lists).state(), 2048)
             assert bucket.bind(lists[0])
             bucket.run(torch.zeros(1, dtype=torch.int32), c)
 
