@@ -27,6 +27,12 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
                                      ema_decay=ema_decay, weight_decay=weight_decay)
     step = validation.check_step(op, step)
     form = schema.check_lists(spec, tensor_lists)
+    # the flag and the scale on the tensors' device (grad_scale may also be on the CPU); tensors
+    # without real storage run on the reference, which reads both on the host
+    refs = tensor_lists[spec.ref_list]
+    device = refs[0].device if refs and validation.storageless([refs], ("",)) is None else None
+    validation.check_noop_flag(op, noop_flag, device)
+    validation.check_grad_scale(op, grad_scale, device)
     backend = schema.backend_for_lists(spec, tensor_lists, form)
     if backend is None:
         return
@@ -37,13 +43,16 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
         decoupled=bool(decoupled), bias_correction=bool(bias_correction),
         maximize=bool(maximize),
         ema_decay=None if ema_decay is None else number("ema_decay", ema_decay), rule=spec.rule)
-    backend.ops[spec.name](chunk_size, noop_flag, tensor_lists, rules.step_scalars(hyper, step),
-                           grad_scale, bool(check_finite))
+    scalars = rules.step_scalars(hyper, step)
+    # an optimizer op, as apex's kernels are: autograd does not see the in-place writes (a leaf
+    # param that requires grad is updated like any other tensor, on every backend)
+    with torch.no_grad():
+        backend.ops[spec.name](chunk_size, noop_flag, tensor_lists, scalars, grad_scale,
+                               bool(check_finite))
 
 
 def _mode(op: str, mode) -> bool:
-    validation.check_hyperparameters(op, mode=mode)
-    return mode == 1
+    return validation.check_mode(op, mode)
 
 
 def multi_tensor_fused_ema_adamw(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,

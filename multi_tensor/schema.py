@@ -107,6 +107,7 @@ def check_lists(spec: OpSpec, tensor_lists) -> ListForm:
     n = validation.check_rows(op, tensor_lists, form.names, spec.ref_list)
     if n and spec.rule is not None:
         _check_adam_dtypes(op, tensor_lists, form)
+        validation.check_no_overlap(op, dict(zip(form.names, tensor_lists)))
     return form
 
 

@@ -129,7 +129,8 @@ class PreparedOp:
     """An op bound to one bucket's state lists, for backends without a ``prepare`` of their own.
 
     ``bind(grads)`` is the cheap per-step check (same count, one allowed dtype, dense, the
-    params' shapes and device); ``run`` calls the op with the bound grads prepended.
+    params' shapes and device, and every state tensor still of its param's shape: ``p.data = x``
+    may reshape a param in place); ``run`` calls the op with the bound grads prepended.
     """
 
     def __init__(self, impl: Callable, state_lists, chunk_size: int):
@@ -155,6 +156,10 @@ class PreparedOp:
                 if (g is None or g.dtype != dtype or g.shape != shape or g.device != self._device
                         or g.layout != torch.strided):
                     return False
+            for tensors in self.state_lists:
+                for t, shape in zip(tensors, self._shapes):
+                    if t.shape != shape:
+                        return False
         self._grads = list(grads)
         return True
 
