@@ -180,7 +180,7 @@ def check_list_of_lists(op: str, tensor_lists) -> None:
 
 
 def check_noop_flag(op: str, noop_flag, device: Optional[torch.device]) -> None:
-    """``noop_flag``: an integer or floating-point tensor of at least one element on the call's
+    """``noop_flag``: a bool, integer or floating-point tensor of at least one element on the call's
     ``device`` (None: any device). Backends read and set its first element there (the GPU kernel
     in device memory), so a flag elsewhere, an empty one or a non-tensor is refused here rather
     than each backend failing its own way."""
@@ -188,7 +188,7 @@ def check_noop_flag(op: str, noop_flag, device: Optional[torch.device]) -> None:
         raise TypeError(f"{op}: noop_flag must be a torch.Tensor (e.g. torch.zeros(1, "
                         f"dtype=torch.int32)), got {type(noop_flag).__name__}")
     if not (noop_flag.is_floating_point() or noop_flag.dtype in _INT_DTYPES):
-        raise TypeError(f"{op}: noop_flag must be an integer or floating-point tensor, got "
+        raise TypeError(f"{op}: noop_flag must be a bool, integer or floating-point tensor, got "
                         f"{noop_flag.dtype}")
     if noop_flag.numel() < 1:
         raise ValueError(f"{op}: noop_flag must have at least one element, got shape "
@@ -200,7 +200,7 @@ def check_noop_flag(op: str, noop_flag, device: Optional[torch.device]) -> None:
                            f"{device}; the kernel reads and sets the flag on the tensors' device")
 
 
-_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def check_grad_scale(op: str, grad_scale, device: Optional[torch.device]) -> None:
