@@ -273,7 +273,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: max_grad_norm must be > 0, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Optional[torch.Tensor] = None
-        self._checked_groups: Dict[int, Optional[tuple]] = {}
+        self._checked_groups: Dict[int, Optional[tuple]] = {}  # id(group) -> (ids, values, group)
         self._chunk_size = chunk_size
         if not fused_unscale:
             # GradScaler then unscales the grads itself before step() (what frameworks that clip
@@ -382,18 +382,31 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             self.init_state()
             return loss
         found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+            # GradScaler sums its per-device found_inf tensors: without any grad, the int 0
+            found_inf = torch.tensor(float(found_inf))
         if found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item() != 0):
             return loss  # before planning: a skipped first step creates no state either
-        work = [(group, bucket) for group in self.param_groups
-                for bucket in self._bound_buckets(group)]
-        skip, skip_flag = self._overflow(found_inf, work)
-        if not skip:
-            skip, grad_scale = self._unscale_factor(work)
-        if skip:
-            for _, bucket in work:
-                bucket.grads = None
-            return loss
-        hypers = self._hypers(work)
+        # plans built for earlier groups are undone when a later one is refused
+        self._plan_journal: Optional[list] = []
+        try:
+            work = [(group, bucket) for group in self.param_groups
+                    for bucket in self._bound_buckets(group)]
+            skip, skip_flag = self._overflow(found_inf, work)
+            if not skip:
+                skip, grad_scale = self._unscale_factor(work)
+            if skip:
+                for _, bucket in work:
+                    bucket.grads = None
+                return loss
+            hypers = self._hypers(work)
+        except BaseException:
+            for group, touched, saved in reversed(self._plan_journal):
+                self._restore_state(touched, saved)
+                self._plans.pop(id(group), None)
+            raise
+        finally:
+            self._plan_journal = None
         for (group, bucket), hyper in zip(work, hypers):
             bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale,
                        _device_lr(group))
@@ -508,12 +521,19 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """Check a group's options unless none was replaced since the last check (a scheduler
         assigns a new lr object). CPU tensor options can change in place, so they are checked at
         every step; a tensor on an accelerator only when it is replaced, as torch checks it only
-        when it is set: reading its value would sync the device (and break a captured step)."""
+        when it is set: reading its value would sync the device (and break a captured step).
+
+        The options are told apart by identity (``id``), which is cheap and never compares
+        tensors or lists by value; an id names one object only while it lives (CPython gives a
+        freed address to the next object: ``lr = 0.5`` then ``lr = nan`` may reuse it), so the
+        checked values and the group itself are kept alive beside their ids."""
         key = tuple(map(id, group.values()))
-        if self._checked_groups.get(id(group)) != key:
+        checked = self._checked_groups.get(id(group))
+        if checked is None or checked[0] != key:
             self._check_group(group)
             mutable = any(_changes_in_place(v) for k, v in group.items() if k != "params")
-            self._checked_groups[id(group)] = None if mutable else key
+            self._checked_groups[id(group)] = None if mutable else (key, tuple(group.values()),
+                                                                     group)
 
     # --- plans --------------------------------------------------------------------------------
     def _plan(self, group: Dict[str, Any], grads: List[Optional[torch.Tensor]]) -> _GroupPlan:
@@ -540,6 +560,55 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
 
     def _build_buckets(self, group: Dict[str, Any], present: tuple, grads) -> List[_Bucket]:
+        """:meth:`_checked_buckets`, changing no state when it raises.
+
+        Building a bucket creates and casts state (``_init_state``: moments, masters, EMA; a
+        loaded fp32 moment cast to an fp16 param's dtype) before a later bucket's check may refuse
+        the plan, so the state entries of the params it touches are saved first (shallow copies:
+        ``_init_state`` replaces entries, it never writes a tensor in place) and put back on any
+        error. The step records what it saved, so a later group's refusal undoes this one too.
+        """
+        params = group["params"]
+        touched = {id(params[i]): params[i] for i in present}
+        if len(touched) != len(present):
+            self._refuse_duplicates(group, present)
+        saved = {key: dict(self.state[p]) for key, p in touched.items() if p in self.state}
+        try:
+            buckets = self._checked_buckets(group, present, grads)
+        except BaseException:
+            self._restore_state(touched, saved)
+            raise
+        journal = self.__dict__.get("_plan_journal")
+        if journal is not None:
+            journal.append((group, touched, saved))
+        return buckets
+
+    def _refuse_duplicates(self, group: Dict[str, Any], present: tuple) -> None:
+        """A param listed twice in a group (torch.optim only warns) would be updated twice in
+        one step, with results that depend on the backend: refused, naming both entries."""
+        params = group["params"]
+        gi = next(k for k, g in enumerate(self.param_groups) if g is group)
+        first: Dict[int, int] = {}
+        for i in present:
+            j = first.setdefault(id(params[i]), i)
+            if j != i:
+                raise ValueError(
+                    f"{type(self).__name__}: param_groups[{gi}]['params'][{i}] is the same tensor "
+                    f"as param_groups[{gi}]['params'][{j}]; a param may appear only once (it "
+                    f"would be updated twice in one step): remove the duplicate")
+
+    def _restore_state(self, touched: Dict[int, torch.Tensor], saved: Dict[int, dict]) -> None:
+        """Put the state entries of ``touched`` params back as ``saved`` (the same dict objects,
+        which callers may hold), removing the entries that did not exist."""
+        for key, p in touched.items():
+            if key in saved:
+                entry = self.state[p]
+                entry.clear()
+                entry.update(saved[key])
+            else:
+                self.state.pop(p, None)
+
+    def _checked_buckets(self, group: Dict[str, Any], present: tuple, grads) -> List[_Bucket]:
         """Check the params with grads against the op table and bind their buckets."""
         params = group["params"]
         name = type(self).__name__

@@ -54,6 +54,7 @@ def npu_apply_fused_ema_adamw(grad: torch.Tensor, var: torch.Tensor, m: torch.Te
     if isinstance(step, torch.Tensor) and step.is_floating_point():
         raise TypeError(f"{op}: step must be an integer tensor (int64, shape (1,)), got {step.dtype}")
     step = validation.check_step(op, step)
+    validation.check_mode(op, mode)
     multi_tensor_fused_ema_adamw(
         multi_tensor_applier.chunk_size, _noop_flag(var.device), [[grad], [var], [m], [v], [s]],
         lr, ema_decay, beta1, beta2, eps, step, mode, bias_correction, weight_decay)

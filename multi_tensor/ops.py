@@ -60,6 +60,12 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
     step = validation.check_step(op, step)
     lists = named_lists(spec, tensor_lists)
     schema.check_adam_lists(spec, lists)
+    # the flag and the scale on the tensors' device (grad_scale may also be on the CPU); tensors
+    # without real storage run on the reference, which reads both on the host
+    refs = lists.params
+    device = refs[0].device if refs and validation.storageless([refs], ("",)) is None else None
+    validation.check_noop_flag(op, noop_flag, device)
+    validation.check_grad_scale(op, grad_scale, device)
     number = functools.partial(validation.real, op)
     hyper = rules.AdamHyper(
         lr=number("lr", lr), beta1=number("beta1", beta1), beta2=number("beta2", beta2),
@@ -67,13 +73,15 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
         decoupled=bool(decoupled), bias_correction=bool(bias_correction),
         maximize=bool(maximize),
         ema_decay=None if ema_decay is None else number("ema_decay", ema_decay), rule=spec.rule)
-    plan.run_adam(spec, lists, hyper, step, noop_flag, grad_scale, check_finite, chunk_size,
-                  checked=True)
+    # an optimizer op, as apex's kernels are: autograd does not see the in-place writes (a leaf
+    # param that requires grad is updated like any other tensor, on every backend)
+    with torch.no_grad():
+        plan.run_adam(spec, lists, hyper, step, noop_flag, grad_scale, check_finite, chunk_size,
+                      checked=True)
 
 
 def _mode(op: str, mode) -> bool:
-    validation.check_hyperparameters(op, mode=mode)
-    return mode == 1
+    return validation.check_mode(op, mode)
 
 
 def multi_tensor_fused_ema_adamw(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float,

@@ -118,12 +118,50 @@ def power(x: float, n: int) -> float:
     return result
 
 
+def sma_sums(beta2: float, n: int) -> tuple:
+    """``(G, K) = (sum(beta2**m), sum((m + 1) * beta2**m))`` over ``m = 0 .. n - 1``, in double.
+
+    Built like :func:`power`, by binary doubling over the bits of ``n``: a run of length ``a``
+    followed by one of length ``b`` has ``G = G_a + beta2**a * G_b`` and
+    ``K = K_a + beta2**a * (K_b + a * G_b)``. Every term is positive, so the relative error
+    stays within a few ulps per doubling (no cancellation), with only correctly rounded ``+ *``:
+    a device computes the same bits (``_sma_sums`` in multi_tensor/backends/triton_kernels.py).
+    """
+    rp, rg, rk, rl = 1.0, 0.0, 0.0, 0.0          # the result: beta2**len, G, K, len
+    bp, bg, bk, bl = float(beta2), 1.0, 1.0, 1.0  # the run of length 2**i
+    while n:
+        if n & 1:
+            rk = rk + rp * (bk + rl * bg)
+            rg = rg + rp * bg
+            rp = rp * bp
+            rl = rl + bl
+        bk = bk + bp * (bk + bl * bg)
+        bg = bg + bp * bg
+        bp = bp * bp
+        bl = bl + bl
+        n >>= 1
+    return rg, rk
+
+
+def radam_rho(beta2: float, step: int) -> float:
+    """RAdam's rho_t (the approximated SMA length), well conditioned.
+
+    torch's ``rho_inf - 2 t beta2**t / (1 - beta2**t)`` subtracts two numbers near
+    ``2 / (1 - beta2)`` to get one near ``t``: at beta2 = 1 - 1e-7 it loses 22 bits and decides
+    the rectification wrongly (rho_5 = 5.0032, exactly 4.9999996). The same value in exact
+    arithmetic is ``2 K / G - 1`` with :func:`sma_sums` (substitute ``1 - beta2**t =
+    (1 - beta2) G`` and ``t beta2**t = G - (1 - beta2) K``), which has no cancellation:
+    ``2 K / G >= 2``.
+    """
+    g, k = sma_sums(beta2, step)
+    return 2.0 * k / g - 1.0
+
+
 def radam_rect(beta2: float, step: int) -> Optional[float]:
-    """RAdam's rectification term at ``step`` (torch.optim.RAdam's formula), None if rho_t <= 5."""
+    """RAdam's rectification term at ``step`` (torch.optim.RAdam's formula with rho_t from
+    :func:`radam_rho`), None if rho_t <= 5."""
     rho_inf = 2.0 / (1.0 - beta2) - 1.0
-    b2t = power(beta2, step)
-    bc2 = 1.0 - b2t
-    rho_t = rho_inf - 2.0 * step * b2t / bc2
+    rho_t = radam_rho(beta2, step)
     if not rho_t > 5.0:
         return None
     return math.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf

@@ -174,6 +174,7 @@ def check_adam_lists(spec: OpSpec, lists: AdamLists, *, grads: bool = True) -> N
     n = validation.check_rows(op, tensor_lists, names, names.index("params"))
     if n:
         _check_adam_dtypes(op, dict(present), lists.has_master)
+        validation.check_no_overlap(op, dict(present))
 
 
 def check_lists(spec: OpSpec, tensor_lists) -> ListForm:

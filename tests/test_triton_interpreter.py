@@ -361,7 +361,9 @@ def _device_scalars():
               _hyper("adam", decoupled=False, maximize=True), _hyper("adam", weight_decay=0.0),
               _hyper("radam"), _hyper("radam", decoupled=False),
               rules.AdamHyper(lr=0.3, beta1=0.5, beta2=0.98, eps=1e-6, weight_decay=0.1,
-                              rule=rules.RADAM, ema_decay=0.99)]
+                              rule=rules.RADAM, ema_decay=0.99),
+              # beta2 near 1: rho_t from rules.sma_sums, where rho_5 = 4.9999996 is not rectified
+              rules.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.9999999, eps=1e-8, rule=rules.RADAM)]
     steps = list(range(1, 8)) + [12, 1000, 65537, 999_983, 16_000_000]
     for dtype, p in ((F32, F32), (F64, F64)):
         lists = make_lists("adam", "fp32" if dtype == F32 else "fp64", ((4,),))

@@ -112,6 +112,11 @@ AdamScalars<M> round_scalars(py::handle h, const std::optional<at::Tensor>& grad
   c.inv_scale = M(1);
   if (c.has_scale) {
     const at::Tensor& t = *grad_scale;
+    // The front end (multi_tensor/validation.py) admits only these; checked again here because an
+    // empty CPU tensor would otherwise be read through a null data pointer.
+    TORCH_CHECK(t.numel() == 1 && t.is_floating_point(),
+                "AdamBucket.run(): grad_scale must be a 1-element floating-point tensor, got ",
+                t.sizes(), " ", t.scalar_type());
     const M scale = t.is_cpu() && t.scalar_type() == c10::kFloat
                         ? static_cast<M>(*t.const_data_ptr<float>())
                         : static_cast<M>(t.reshape({-1})[0].item<double>());
@@ -156,7 +161,8 @@ AdamBucket::AdamBucket(py::handle lists, int64_t chunk_size) : chunk_size_(chunk
   auto take = [&](py::handle list, Slot slot) {
     std::vector<at::Tensor> ts;
     for (const at::Tensor* t : unpack_tensors(list)) {
-      TORCH_CHECK_TYPE(t != nullptr, "AdamBucket: a list item is not a tensor");
+      // The front end has checked the lists; this keeps a direct call from crashing.
+      TORCH_CHECK_TYPE(t != nullptr && t->defined(), "AdamBucket: lists must hold tensors");
       ts.push_back(*t);
     }
     state_.push_back(std::move(ts));
@@ -182,7 +188,8 @@ AdamBucket::AdamBucket(py::handle lists, int64_t chunk_size) : chunk_size_(chunk
 }
 
 // The per-step check that the grads still fit the bucket (count, dtype, shape, CPU, dense with
-// real storage) and that no state tensor changed size or dtype (`p.data = x` may swap one),
+// real storage) and that no state tensor changed shape or dtype (`p.data = x` may swap one or
+// reshape the param; a same-numel reshape must not run on state of the old shape),
 // fused with gathering the data pointers. Anything unexpected returns false: the optimizer then
 // plans afresh, and its full check names the problem.
 bool AdamBucket::bind(py::handle grads) {
@@ -220,13 +227,14 @@ bool AdamBucket::bind(py::handle grads) {
     const at::Tensor& p = params[i];
     if (!g || g->scalar_type() != gt || !g->is_cpu() || g->layout() != c10::kStrided ||
         g->key_set().has(c10::DispatchKey::Python) || !g->sizes().equals(p.sizes()) ||
-        p.scalar_type() != param_dtype_)
+        p.scalar_type() != param_dtype_ || !p.is_cpu())
       return false;
     const int64_t numel = p.numel();
     bool direct = is_direct(p, *g);
     for (size_t k = 1; k < state_.size(); ++k) {
       const at::Tensor& t = state_[k][i];
-      if (t.numel() != numel || t.scalar_type() != (slots_[k] == kEma ? ema_dtype_ : state_dtype_))
+      if (!t.sizes().equals(p.sizes()) || !t.is_cpu() ||
+          t.scalar_type() != (slots_[k] == kEma ? ema_dtype_ : state_dtype_))
         return false;
       direct = direct && is_direct(p, t);
     }

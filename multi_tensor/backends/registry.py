@@ -152,8 +152,8 @@ class PreparedOp:
     """An Adam-family bucket of a backend whose kernel takes whole lists per call (the reference).
 
     ``bind(grads)`` is the cheap per-step check (same count, one allowed dtype, dense, the
-    params' shapes and device, state of the params' shapes); ``run`` calls ``impl`` on the state
-    lists with the bound grads.
+    params' shapes and device, and every state tensor still of its param's shape: ``p.data = x``
+    may reshape a param in place); ``run`` calls the op with the bound grads prepended.
     """
 
     def __init__(self, impl: Callable, lists, chunk_size: int):

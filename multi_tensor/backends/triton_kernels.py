@@ -295,6 +295,31 @@ def _power(x, n, NBITS: tl.constexpr):
 
 
 @triton.jit
+def _sma_sums(q, n, NBITS: tl.constexpr):
+    """multi_tensor.rules.sma_sums: RAdam's (G, K) by binary doubling, the same operations."""
+    one = tl.full((), 1.0, tl.float64)
+    rp = one
+    rg = one - one
+    rk = one - one
+    rl = one - one
+    bp = q
+    bg = one
+    bk = one
+    bl = one
+    for i in tl.static_range(NBITS):
+        on = ((n >> i) & 1) != 0
+        rk = tl.where(on, rk + rp * (bk + rl * bg), rk)
+        rg = tl.where(on, rg + rp * bg, rg)
+        rp = tl.where(on, rp * bp, rp)
+        rl = tl.where(on, rl + bl, rl)
+        bk = bk + bp * (bk + bl * bg)
+        bg = bg + bp * bg
+        bp = bp * bp
+        bl = bl + bl
+    return rg, rk
+
+
+@triton.jit
 def _step_scalars_kernel(hyp, step, noop, lr_ptr, scal, LR_TENSOR: tl.constexpr,
                          NBITS: tl.constexpr):
     """Advance the device step (unless noop is set) and write its scalars, in fp64 as
@@ -304,7 +329,6 @@ def _step_scalars_kernel(hyp, step, noop, lr_ptr, scal, LR_TENSOR: tl.constexpr,
     s_new = tl.where(skip, s, s + 1.0)
     tl.store(step, s_new)
     t = tl.maximum(s_new, 1.0).to(tl.int64)
-    tf = t.to(tl.float64)
     if LR_TENSOR:
         lr = tl.load(lr_ptr).to(tl.float64)
     else:
@@ -327,7 +351,8 @@ def _step_scalars_kernel(hyp, step, noop, lr_ptr, scal, LR_TENSOR: tl.constexpr,
     step_adam = lr / bc1a
     # RAdam (rules.radam_rect)
     rho_inf = 2.0 / (one - beta2) - 1.0
-    rho_t = rho_inf - ((2.0 * tf) * b2t) / bc2
+    sma_g, sma_k = _sma_sums(beta2, t, NBITS)
+    rho_t = (2.0 * sma_k) / sma_g - 1.0
     rect = tl.sqrt(((rho_t - 4.0) * (rho_t - 2.0)) * rho_inf
                    / (((rho_inf - 4.0) * (rho_inf - 2.0)) * rho_t))
     rectified = rho_t > 5.0
@@ -688,6 +713,9 @@ class AdamBucket:
             if g is None or g.dtype != dtype or g.layout != torch.strided or g.device != device:
                 return False
         if list(map(torch.Tensor.size, grads)) != self._sizes:
+            return False
+        # a param reshaped in place (``p.data = p.data.view(...)``) no longer fits its state
+        if list(map(torch.Tensor.size, self.state_lists[0])) != self._sizes:
             return False
         stage_rows = {}
         eff = list(grads)

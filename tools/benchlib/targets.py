@@ -41,6 +41,8 @@ class Target:
             return f"{self.peer} in-cache ns/element/core"
         if self.metric == "marginal_ns_per_elem_core":
             return f"{self.peer} in-cache marginal ns/element/core"
+        if self.metric == "fixed_over_wrapper_us":
+            return f"{self.peer} fixed cost per step beyond torch's Optimizer.step wrapper, us"
         return f"{self.peer} {self.metric} ({self.mode})"
 
     def definition(self) -> Dict[str, object]:
@@ -61,6 +63,7 @@ TARGETS: List[Target] = [
     Target("in_cache", "ns_per_elem_core", "<=", 0.5),
     Target("in_cache", "marginal_ns_per_elem_core", "<=", 0.5),
     Target("in_cache", "marginal_ns_per_elem_core", "<=", 0.5, peer="ours_kernel"),
+    Target("in_cache", "fixed_over_wrapper_us", "<=", 10.0),
 ]
 
 

@@ -1,0 +1,413 @@
+"""Seeded random cases, each run crash-isolated: numerics across backends, AMP skips, state dict
+round trips and bad inputs.
+
+Every case is drawn from its own ``random.Random(case number)``, so a case is reproduced by its
+number alone: ``python tests/test_fuzz.py 17 18`` runs case 17 and prints what it did. The cases
+run in a worker subprocess that prints ``START n`` before case ``n`` and ``OK n`` or
+``FAIL n <why>`` after it; when the worker dies (a segfault, an abort), the case it started is
+reported as a crash and a new worker continues with the next one.
+
+A case is mishandled when the process crashes, when the reference and native CPU backends
+(forced with :func:`multi_tensor.backends.registry.forced_backend`) give different bits, when one
+accepts an input the other refuses (or they refuse with different exception types), or when a
+refused call changed any tensor. The test fails on any mishandled case.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import random
+import subprocess
+import sys
+import traceback
+
+N_CASES = 400
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BACKENDS = ("reference", "native_cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker side (imports torch lazily: the pytest side only starts subprocesses)
+
+def _bits(t):
+    import torch
+    t = t.detach()
+    if t.is_floating_point():
+        ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+        t = t.contiguous().view(ints[t.element_size()])
+    return t
+
+
+def _same(a, b) -> bool:
+    import torch
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(_bits(a), _bits(b)))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b or (a != a and b != b)
+
+
+class Mishandled(AssertionError):
+    pass
+
+
+OPS = ("fused_ema_adamw", "adam", "radam", "radam_ema")
+CONFIGS = {  # name: (param dtype, state dtype, masters)
+    "fp32": ("float32", "float32", False), "fp64": ("float64", "float64", False),
+    "fp16": ("float16", "float16", False), "bf16": ("bfloat16", "bfloat16", False),
+    "bf16_master": ("bfloat16", "float32", True), "fp16_master": ("float16", "float32", True),
+}
+
+
+def _random_lists(rng, op):
+    import torch
+    cfg = rng.choice(list(CONFIGS))
+    pdt, sdt, master = (getattr(torch, n) if isinstance(n, str) else n for n in CONFIGS[cfg])
+    gdt = torch.float64 if pdt == torch.float64 else (
+        pdt if rng.random() < 0.5 else rng.choice([torch.float32, torch.float16, torch.bfloat16]))
+    ema = op.endswith("ema") or op == "fused_ema_adamw"
+    edt = torch.bfloat16 if ema and pdt != torch.float64 and rng.random() < 0.2 else sdt
+    gen = torch.Generator().manual_seed(rng.randrange(2 ** 31))
+    shapes = [rng.choice([(rng.randrange(0, 70),), (rng.randrange(1, 9), rng.randrange(1, 9)),
+                          (2, rng.randrange(0, 5), 3)]) for _ in range(rng.randrange(1, 4))]
+    rows = []
+    for shape in shapes:
+        p = torch.randn(shape, generator=gen, dtype=torch.float64)
+        row = [torch.randn(shape, generator=gen, dtype=torch.float64).mul(rng.choice([1e-3, 1, 30]))
+               .to(gdt), p.to(pdt), torch.randn(shape, generator=gen, dtype=torch.float64).mul(0.1)
+               .to(sdt), torch.rand(shape, generator=gen, dtype=torch.float64).mul(0.01).to(sdt)]
+        if ema:
+            row.append(p.to(edt))
+        if master:
+            row.append(p.to(torch.float32))
+        if len(shape) == 2 and rng.random() < 0.3:  # one layout for the row: transposed
+            row = [t.t().contiguous().t() for t in row]
+        rows.append(row)
+    lists = [list(col) for col in zip(*rows)]
+    return lists, f"{cfg} grads {str(gdt)[6:]} ema {str(edt)[6:]} shapes {shapes}"
+
+
+def _random_hyper(rng, op):
+    h = dict(lr=rng.choice([0.0, 1e-3, 0.1, 3.0]), beta1=rng.choice([0.0, 0.5, 0.9]),
+             beta2=rng.choice([0.0, 0.9, 0.999, 0.9999999]), eps=rng.choice([0.0, 1e-8, 1e-3]),
+             step=rng.choice([1, 2, 5, 6, 7, 100, 10 ** 6]), mode=rng.choice([0, 1]),
+             bias_correction=rng.random() < 0.8, weight_decay=rng.choice([0.0, 0.01, 0.5]),
+             ema_decay=rng.choice([0.0, 0.5, 0.9999]), maximize=rng.random() < 0.2,
+             check_finite=rng.random() < 0.3, grad_scale=None)
+    if rng.random() < 0.3:
+        h["grad_scale"] = rng.choice([(), (1,)]), rng.choice([1.0, 512.0, 3.0])
+    return h
+
+
+def _call(op, lists, h, flag, chunk=2048):
+    import torch
+    import multi_tensor as mt
+    kw = dict(maximize=h["maximize"], check_finite=h["check_finite"])
+    gs = h["grad_scale"]
+    if isinstance(gs, tuple):
+        kw["grad_scale"] = torch.full(gs[0], gs[1], dtype=torch.float32)
+    elif gs is not None:
+        kw["grad_scale"] = gs
+    if op == "fused_ema_adamw":
+        mt.multi_tensor_fused_ema_adamw(chunk, flag, lists, h["lr"], h["ema_decay"], h["beta1"],
+                                        h["beta2"], h["eps"], h["step"], h["mode"],
+                                        h["bias_correction"], h["weight_decay"], **kw)
+    elif op == "adam":
+        mt.multi_tensor_adam(chunk, flag, lists, h["lr"], h["beta1"], h["beta2"], h["eps"],
+                             h["step"], h["mode"], h["bias_correction"], h["weight_decay"], **kw)
+    elif op == "radam":
+        mt.multi_tensor_radam(chunk, flag, lists, h["lr"], h["beta1"], h["beta2"], h["eps"],
+                              h["step"], h["weight_decay"], h["mode"] == 1, **kw)
+    else:
+        mt.multi_tensor_radam_ema(chunk, flag, lists, h["lr"], h["ema_decay"], h["beta1"],
+                                  h["beta2"], h["eps"], h["step"], h["weight_decay"],
+                                  h["mode"] == 1, **kw)
+
+
+def _per_backend(fn):
+    """``fn()`` under each backend: {name: (result or None, exception or None)}."""
+    from multi_tensor.backends.registry import forced_backend
+    out = {}
+    for name in BACKENDS:
+        with forced_backend(name):
+            try:
+                out[name] = (fn(), None)
+            except Exception as exc:  # compared below: both must refuse alike
+                out[name] = (None, exc)
+    return out
+
+
+def _agree(out, what):
+    (ra, ea), (rb, eb) = out["reference"], out["native_cpu"]
+    if (ea is None) != (eb is None):
+        raise Mishandled(f"{what}: reference {'refused: ' + repr(ea) if ea else 'accepted'}, "
+                         f"native_cpu {'refused: ' + repr(eb) if eb else 'accepted'}")
+    if ea is not None:
+        if type(ea) is not type(eb):
+            raise Mishandled(f"{what}: refused as {type(ea).__name__} by the reference and as "
+                             f"{type(eb).__name__} by native_cpu")
+        return
+    if not _same(ra, rb):
+        raise Mishandled(f"{what}: reference and native_cpu results differ")
+
+
+def case_numerics(rng):
+    import torch
+    op = rng.choice(OPS)
+    lists, desc = _random_lists(rng, op)
+    h = _random_hyper(rng, op)
+    if h["check_finite"] and rng.random() < 0.5 and lists[0][0].numel():
+        g = lists[0][0]
+        where = torch.unravel_index(torch.tensor(rng.randrange(g.numel())), g.shape)
+        g[tuple(where)] = rng.choice([float("inf"), float("nan")])
+
+    def run():
+        mine = [[t.clone() for t in ts] for ts in lists]  # clone keeps a transposed layout
+        flag = torch.zeros(1, dtype=torch.int32)
+        _call(op, mine, h, flag, chunk=rng.choice([7, 64, 2048]))
+        return mine, flag
+    _agree(_per_backend(run), f"{op} {desc} {h}")
+    return f"numerics {op} {desc}"
+
+
+def _make_optimizer(rng):
+    import torch
+    import fused_optim as fo
+    cls = rng.choice([fo.FusedEmaAdamW, fo.FusedAdam, fo.FusedAdamW, fo.FusedRAdam])
+    dtype = rng.choice([torch.float32, torch.float32, torch.bfloat16, torch.float16])
+    kw = dict(lr=rng.choice([1e-3, 0.05]), weight_decay=rng.choice([0.0, 0.01]),
+              betas=(0.9, rng.choice([0.99, 0.999, 0.9999999])))
+    if dtype != torch.float32 and cls is not fo.FusedRAdam:
+        kw["master_weights"] = rng.random() < 0.7
+    if cls is fo.FusedEmaAdamW:
+        kw["ema_decay"] = rng.choice([0.9, 0.999])
+    seed = rng.randrange(2 ** 31)
+    n = rng.randrange(1, 4)
+    shapes = [(rng.randrange(1, 40),) for _ in range(n)]
+    return cls, dtype, kw, seed, shapes
+
+
+def _params(dtype, seed, shapes):
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def _grads(step, dtype, seed, shapes, inf_at):
+    import torch
+    gen = torch.Generator().manual_seed(seed + 1000 * step)
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    if step == inf_at:
+        grads[0].view(-1)[0] = float("inf")
+    return grads
+
+
+def case_optimizer(rng):
+    """Steps under GradScaler (some with an inf grad: skipped), a state dict round trip in the
+    middle: the resumed optimizer must continue bit for bit, on both backends alike."""
+    import torch
+    cls, dtype, kw, seed, shapes = _make_optimizer(rng)
+    steps = rng.randrange(2, 6)
+    inf_at = rng.choice([None, rng.randrange(steps)])
+    cut = rng.randrange(1, steps)
+    amp = rng.random() < 0.6
+
+    def train(resume: bool):
+        params = _params(dtype, seed, shapes)
+        opt = cls(params, **kw)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if amp else None
+        for s in range(steps):
+            if resume and s == cut:
+                saved = copy.deepcopy(opt.state_dict())
+                params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+                opt = cls(params, **kw)
+                opt.load_state_dict(saved)
+            grads = _grads(s, dtype, seed, shapes, inf_at)
+            for p, g in zip(params, grads):
+                p.grad = g * scaler.get_scale() if amp else g
+            if amp:
+                scaler.scale(torch.ones(()))
+                scaler.step(opt)
+                scaler.update()
+            elif s != inf_at:
+                opt.step()
+        state = {i: dict(opt.state[p]) for i, p in enumerate(params)}
+        return [p.detach() for p in params], state
+
+    what = f"{cls.__name__} {dtype} {kw} steps {steps} inf at {inf_at} amp {amp}"
+    _agree(_per_backend(lambda: train(False)), what)
+    out = _per_backend(lambda: train(True))
+    _agree(out, what + f" resumed at {cut}")
+    straight = _per_backend(lambda: train(False))
+    for name in BACKENDS:
+        if not _same(out[name][0], straight[name][0]):
+            raise Mishandled(f"{what}: {name}: resuming from a state dict at step {cut} changed "
+                             f"the result")
+    return f"optimizer {what}"
+
+
+def _bad_edits(rng, op, lists, h):
+    """One bad input: (description, edit of (lists, h) in place, chunk size)."""
+    import torch
+    n_lists = len(lists)
+    li = rng.randrange(n_lists)
+    i = rng.randrange(len(lists[li]))
+    t = lists[li][i]
+    written = [k for k in range(1, n_lists)]
+    choices = [
+        ("grad_scale empty", lambda: h.update(grad_scale=torch.tensor([]))),
+        ("grad_scale of 2", lambda: h.update(grad_scale=torch.tensor([2.0, 3.0]))),
+        ("grad_scale float", lambda: h.update(grad_scale=2.0)),
+        ("grad_scale int tensor", lambda: h.update(grad_scale=torch.tensor([2]))),
+        ("lr nan", lambda: h.update(lr=float("nan"))),
+        ("beta1 1", lambda: h.update(beta1=1.0)),
+        ("eps -1", lambda: h.update(eps=-1.0)),
+        ("step 0", lambda: h.update(step=0)),
+        ("non-tensor", lambda: lists[li].__setitem__(i, "x")),
+        ("None tensor", lambda: lists[li].__setitem__(i, None)),
+        ("shape", lambda: lists[li].__setitem__(i, torch.zeros(t.numel() + 1, dtype=t.dtype))),
+        ("int tensor", lambda: lists[li].__setitem__(i, torch.zeros(t.shape, dtype=torch.int32))),
+        ("extra list", lambda: lists.append([x.clone() for x in lists[1]])),
+        ("missing list", lambda: lists.pop()),
+        ("sparse grad", lambda: lists[0].__setitem__(i, lists[0][i].to_sparse())),
+        ("expanded param", lambda: lists[1].__setitem__(
+            i, torch.zeros(1, dtype=lists[1][i].dtype).expand(lists[1][i].shape))),
+        ("param twice", lambda: lists[1].__setitem__(i, lists[1][(i + 1) % len(lists[1])])),
+        ("state aliases param", lambda: lists[rng.choice(written)].__setitem__(i, lists[1][i])),
+        ("grad aliases state", lambda: lists[0].__setitem__(i, lists[rng.choice(written)][i])),
+        ("meta tensor", lambda: lists[li].__setitem__(i, t.to("meta"))),
+    ]
+    if op in ("fused_ema_adamw", "adam"):
+        choices.append(("mode None", lambda: h.update(mode=None)))
+        choices.append(("mode 2", lambda: h.update(mode=2)))
+    return rng.choice(choices)
+
+
+def case_bad_input(rng):
+    """A valid call with one bad input: every backend refuses it with the same exception type,
+    without a crash, and no tensor changes."""
+    import torch
+    op = rng.choice(OPS)
+    lists, desc = _random_lists(rng, op)
+    h = _random_hyper(rng, op)
+    h["check_finite"] = False
+    flag_kind = rng.choice(["good", "good", "good", "None", "empty", "int"])
+    name, edit = _bad_edits(rng, op, lists, h)
+    edit()
+    if flag_kind != "good":
+        name += f" / flag {flag_kind}"
+    # the same tensors go to both backends: a refusal must leave every one unchanged
+    tensors = [t for ts in lists if isinstance(ts, list) for t in ts
+               if isinstance(t, torch.Tensor) and not t.is_meta and not t.is_sparse]
+    before = [t.clone() for t in tensors]
+
+    def run():
+        flag = {"good": torch.zeros(1, dtype=torch.int32), "None": None,
+                "empty": torch.zeros(0, dtype=torch.int32), "int": 0}[flag_kind]
+        _call(op, lists, h, flag)
+        for t, b in zip(tensors, before):
+            t.copy_(b)  # an accepted call must be repeatable on the other backend
+    out = _per_backend(run)
+    what = f"bad input {name!r} for {op} {desc}"
+    for backend, (_, exc) in out.items():
+        changed = [k for k, (t, b) in enumerate(zip(tensors, before)) if not _same(t, b)]
+        if exc is not None and changed:
+            raise Mishandled(f"{what}: {backend} refused ({exc!r}) after writing tensors {changed}")
+    _agree({k: (None, e) for k, (_, e) in out.items()}, what)
+    return f"{what}: " + (f"refused: {type(out['reference'][1]).__name__}"
+                          if out["reference"][1] else "accepted by both")
+
+
+KINDS = (case_numerics, case_numerics, case_optimizer, case_bad_input, case_bad_input)
+
+
+def run_case(n: int) -> str:
+    rng = random.Random(n)
+    kind = rng.choice(KINDS)
+    if os.environ.get("FUZZ_CRASH_CASE") == str(n):  # the isolation's own test
+        import ctypes
+        ctypes.string_at(0)
+    return kind(rng)
+
+
+def worker(first: int, last: int, verbose: bool) -> None:
+    sys.path[:0] = [ROOT, HERE]
+    import torch
+    import multi_tensor  # noqa: F401
+    import warnings
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    for n in range(first, last):
+        print(f"START {n}", flush=True)
+        try:
+            what = run_case(n)
+            print(f"OK {n}" + (f" {what}" if verbose else ""), flush=True)
+        except Mishandled as exc:
+            print(f"FAIL {n} {exc}".replace("\n", " "), flush=True)
+        except Exception:
+            why = traceback.format_exc().strip().splitlines()
+            print(f"FAIL {n} the case itself raised: {why[-1]} (at {why[-3].strip()})", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pytest side
+
+def run_isolated(first: int, last: int, env=None, timeout: float = 240.0):
+    """{case: None (handled) or why not}, every case in [first, last), restarting the worker
+    after a crash."""
+    results = {}
+    n = first
+    while n < last:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(n), str(last)],
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        started = None
+        for line in proc.stdout.splitlines():
+            kind, _, rest = line.partition(" ")
+            num, _, why = rest.partition(" ")
+            if kind == "START":
+                started = int(num)
+            elif kind in ("OK", "FAIL"):
+                results[int(num)] = None if kind == "OK" else why
+                started = None
+        if started is None:
+            if proc.returncode != 0:
+                raise AssertionError(f"the fuzz worker failed outside a case (rc "
+                                     f"{proc.returncode}): {proc.stderr[-2000:]}")
+            break
+        results[started] = (f"the process died (rc {proc.returncode}, signal "
+                            f"{-proc.returncode if proc.returncode < 0 else 'none'}): "
+                            f"{proc.stderr.strip().splitlines()[-1:] or ''}")
+        n = started + 1
+    return results
+
+
+def _native_registered() -> bool:
+    sys.path[:0] = [ROOT]
+    import multi_tensor
+    return "native_cpu" in [b.name for b in multi_tensor.registered_backends()]
+
+
+def test_fuzz_cases_are_handled():
+    import pytest
+    if not _native_registered():
+        pytest.skip("native CPU backend not built: nothing to compare the reference with")
+    results = run_isolated(0, N_CASES)
+    assert len(results) == N_CASES
+    bad = {n: why for n, why in results.items() if why is not None}
+    assert not bad, f"{len(bad)} of {N_CASES} cases mishandled (rerun one with `python " \
+        f"tests/test_fuzz.py N N+1`):\n" + "\n".join(f"case {n}: {w}" for n, w in sorted(bad.items()))
+
+
+def test_a_crashing_case_is_reported_and_the_rest_still_run():
+    results = run_isolated(3, 6, env={"FUZZ_CRASH_CASE": "4"})
+    assert sorted(results) == [3, 4, 5]
+    assert "the process died" in results[4] and "signal 11" in results[4]
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), verbose=os.environ.get("FUZZ_VERBOSE") == "1")
