@@ -96,12 +96,12 @@ def test_bench_quick_writes_json(tmp_path):
 
     incache = data["in_cache"]
     assert incache["numel"] == 4096 and incache["threads"] == 1
-    assert {"ours", "ours_kernel", "fused_adamw"} <= set(incache["peers"])
+    assert {"ours", "ours_kernel", "torch_wrapper", "fused_adamw"} <= set(incache["peers"])
     for name, peer in incache["peers"].items():
         assert peer["ns_per_elem_core"] == pytest.approx(peer["step_s"] / 4096 * 1e9), name
     assert [(t["peer"], t["metric"]) for t in incache["targets"]] == [
         ("ours", "ns_per_elem_core"), ("ours", "marginal_ns_per_elem_core"),
-        ("ours_kernel", "marginal_ns_per_elem_core")]
+        ("ours_kernel", "marginal_ns_per_elem_core"), ("ours", "fixed_over_wrapper_us")]
     assert len(data["targets"]) == 2 * 2 + 3   # two workloads x two thread counts + in-cache
 
 
