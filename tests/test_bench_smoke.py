@@ -102,7 +102,7 @@ def test_bench_quick_writes_json(tmp_path):
     assert [(t["peer"], t["metric"]) for t in incache["targets"]] == [
         ("ours", "ns_per_elem_core"), ("ours", "marginal_ns_per_elem_core"),
         ("ours_kernel", "marginal_ns_per_elem_core"), ("ours", "fixed_over_wrapper_us")]
-    assert len(data["targets"]) == 2 * 2 + 3   # two workloads x two thread counts + in-cache
+    assert len(data["targets"]) == 2 * 2 + 4   # two workloads x two thread counts + in-cache
 
 
 def test_bench_skips_deepspeed_when_it_does_not_import(tmp_path):

@@ -1,8 +1,9 @@
 """The Triton backend: every multi-tensor op on CUDA devices (ROCm torch reports "cuda" too).
 
 Registered at import for device type ``cuda`` as backend ``"triton"`` (priority 20, above the
-reference) **without importing triton**: the kernels (:mod:`multi_tensor.backends.triton_kernels`)
-are imported when the first CUDA bucket is prepared or the first CUDA op is called. When triton
+reference) **without importing triton**: the kernels (:mod:`multi_tensor.backends.triton_kernels`,
+launched by :mod:`multi_tensor.backends.triton_host`) are imported when the first CUDA bucket is
+prepared or the first CUDA op is called. When triton
 cannot be imported, one ``RuntimeWarning`` says why and every op of this backend runs on the
 reference backend instead (the results are the same bits, slower, with host syncs).
 
@@ -23,7 +24,7 @@ What runs where:
 Prepared buckets (the optimizers' hot path) also offer ``run_device_step``: the step counter,
 the skip flag (GradScaler's ``found_inf``) and the per-step scalars stay on the device, so an
 optimizer step needs no host sync and can be captured in a CUDA graph
-(see :class:`multi_tensor.backends.triton_kernels.AdamBucket`).
+(see :class:`multi_tensor.backends.triton_host.AdamBucket`).
 
 Attributes: ``load_error`` (why triton could not be imported, or None), ``BACKEND``.
 """
@@ -47,18 +48,19 @@ _warned = False
 
 
 def kernels():
-    """The kernel module (imports triton on first use), or None when triton is unavailable."""
+    """The host module of the kernels (imports triton on first use), or None when triton is
+    unavailable."""
     global _kernels, load_error
     if _kernels is not None or load_error is not None:
         return _kernels
     with _lock:
         if _kernels is None and load_error is None:
             try:
-                from . import triton_kernels
+                from . import triton_host
             except Exception as exc:  # ImportError, or a broken triton install
                 load_error = f"{type(exc).__name__}: {exc}"
             else:
-                _kernels = triton_kernels
+                _kernels = triton_host
     if _kernels is None:
         _warn_once()
     return _kernels

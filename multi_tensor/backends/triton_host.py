@@ -1,0 +1,458 @@
+"""The host side of the ``triton`` backend: pointer tables, prepared buckets, launches.
+
+The kernels are :mod:`multi_tensor.backends.triton_kernels` (whose docstring describes the
+pointer table, the exactness rules and the device-side steps); this module builds what they
+read and launches them: :class:`AdamBucket` (the Adam family's prepared bucket), :func:`scale`
+and :func:`l2norm`. Imported only through :mod:`multi_tensor.backends.triton_gpu` (it imports
+triton).
+"""
+from __future__ import annotations
+
+import operator
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .. import rules
+from .triton_kernels import (BLOCK, COMPILE_OPTIONS, DTYPE_CODE, F32,
+                             F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
+                             _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
+                             _step_scalars_kernel, _sumsq_kernel, _total_kernel)
+
+
+def _launch(kernel, grid, device: torch.device, *args, **kwargs):
+    kwargs.setdefault("num_warps", NUM_WARPS)
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
+    return kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def to_device(host: torch.Tensor, out: Optional[torch.Tensor], device: torch.device,
+              what: str = "table") -> torch.Tensor:
+    """Copy a host tensor to ``device`` without a host sync (pinned memory, non-blocking).
+
+    Writes into ``out`` when given (same shape and dtype), else returns a new device tensor.
+    """
+    if _capturing(device):
+        raise RuntimeError(
+            f"multi_tensor triton: the {what} of a bucket had to be rewritten during CUDA graph "
+            "capture (grads, hyperparameters or tensors changed); run the step once outside the "
+            "capture first (warm-up), and keep them fixed while capturing")
+    if device.type == "cuda":
+        host = host.pin_memory()
+        if out is None:
+            return host.to(device, non_blocking=True)
+        out.copy_(host, non_blocking=True)
+        return out
+    if out is None:
+        return host.clone()
+    out.copy_(host)
+    return out
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill ``numel`` consecutive slots from data_ptr."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _layout_of(shape, strides) -> tuple:
+    """The element -> memory map of a dense tensor (strides of the dims of size > 1)."""
+    return tuple(st for sz, st in zip(shape, strides) if sz != 1)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return _layout_of(t.shape, t.stride())
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _base_view(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel receives as a list's base pointer (bf16 as its int16 bits)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _chunks(numels: Sequence[int], chunk: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row of each chunk, start offset of each chunk, chunks per row); empty rows have none."""
+    numel = np.asarray(numels, dtype=np.int64)
+    counts = (numel + chunk - 1) // chunk
+    rows = np.repeat(np.arange(len(numel), dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts
+    starts = (np.arange(len(rows), dtype=np.int64) - np.repeat(first, counts)) * chunk
+    return rows, starts, counts
+
+
+def _deltas(ptrs: np.ndarray, base_ptr: int, esize: int) -> np.ndarray:
+    return (ptrs - np.int64(base_ptr)) // esize
+
+
+def _flag(noop_flag: Optional[torch.Tensor], device: torch.device, spare: List) -> torch.Tensor:
+    """The flag a kernel reads (and may set): the noop flag itself, or a zeroed spare."""
+    if noop_flag is not None and noop_flag.numel() > 0:
+        flag = noop_flag.as_strided((1,), (1,))  # its first element, always a view
+        if flag.dtype == torch.bool:
+            flag = flag.view(torch.uint8)
+        return flag
+    if not spare:
+        spare.append(torch.zeros(1, dtype=torch.int32, device=device))
+    else:
+        spare[0].zero_()
+    return spare[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the prepared Adam-family bucket
+
+class _Staged:
+    """A tensor the kernel cannot address in place, and the dense copy it runs on."""
+
+    __slots__ = ("orig", "copy", "written")
+
+    def __init__(self, orig: torch.Tensor, strides: tuple, written: bool):
+        self.orig = orig
+        self.copy = torch.empty_strided(orig.shape, strides, dtype=orig.dtype, device=orig.device)
+        self.written = written
+
+
+class AdamBucket:
+    """One Adam-family op bound to a bucket's state lists (``prepare``'s result).
+
+    ``bind(grads)`` checks the grads cheaply (same objects and addresses as last time: one pass
+    over ``data_ptr``; else count, dtype, shape, device, layout) and rewrites the grads' row of
+    the pointer table only when an address changed. ``run`` launches one kernel.
+
+    Layouts: a row whose tensors are dense (contiguous, channels_last, ...) with the param's
+    strides runs in place. A tensor that is not dense, or whose strides differ from its param's,
+    runs on a persistent dense copy: copied in before the launch and, for written lists, back
+    after it (two extra copies per such tensor; rare: the optimizers create their state with
+    the params' layout).
+    """
+
+    def __init__(self, op: str, lists, chunk_size: int):
+        self.op = op
+        self.ema = lists.has_ema
+        self.master = lists.has_master
+        # the pointer table's rows: the grads, then the state lists in AdamLists' field order
+        # (params, exp_avgs, exp_avg_sqs, emas, masters: the order _adam_kernel reads them in)
+        self.list_names = [name for name, _ in lists.present() if name != "grads"]
+        self.state_lists = [list(getattr(lists, name)) for name in self.list_names]
+        self.chunk = int(chunk_size)
+        params = self.state_lists[0]
+        self.n = len(params)
+        self.device = params[0].device if params else torch.device("cpu")
+        self.p_dt = DTYPE_CODE[params[0].dtype] if params else F32
+        self.s_dt = F32 if self.master else self.p_dt
+        # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)
+        emas = lists.emas or []
+        self.e_dt = DTYPE_CODE[emas[0].dtype] if emas else self.s_dt
+        self.math = torch.float64 if self.p_dt == F64 else torch.float32
+        self._grad_dtypes = ((torch.float64,) if self.p_dt == F64
+                             else (torch.float16, torch.bfloat16, torch.float32))
+        self._sizes = [p.size() for p in params]
+        self._spare: List[torch.Tensor] = []
+        self._grads = None
+        self._g_objs = None
+        self._g_ptrs = None
+        self._g_dtype = None
+        self._g_base = None
+        self._g_col = None
+        self._g_staged: List[_Staged] = []
+        self._g_stage_rows = {}
+        self._hyper = None
+        # row layouts and the state lists' addresses
+        self._strides = []  # each row's layout: its param's if dense, else contiguous
+        self._row_contiguous = []
+        self._layouts = []
+        self._staged: List[_Staged] = []
+        numels = []
+        for p in params:
+            strides = tuple(p.stride()) if _dense(p) else _contiguous_strides(p.shape)
+            self._strides.append(strides)
+            self._layouts.append(_layout_of(p.shape, strides))
+            self._row_contiguous.append(self._layouts[-1] == _layout_of(
+                p.shape, _contiguous_strides(p.shape)))
+            numels.append(p.numel())
+        self._numels = np.asarray(numels, dtype=np.int64)
+        self._live = self._numels > 0
+        self._rows, starts, _ = _chunks(numels, self.chunk)
+        self.n_chunks = len(self._rows)
+        nl = 1 + len(self.state_lists)
+        host = np.zeros((nl + 2, self.n_chunks), dtype=np.int64)
+        self._bases = []
+        aligned = self.chunk % 16 == 0
+        for li, tensors in enumerate(self.state_lists):
+            eff = []
+            for i, t in enumerate(tensors):
+                if t.numel() and not self._fits(t, i):
+                    st = _Staged(t, self._strides[i], written=True)
+                    self._staged.append(st)
+                    t = st.copy
+                eff.append(t)
+            base, col, ok = self._column(eff)
+            self._bases.append(base)
+            host[li + 1] = col
+            aligned = aligned and ok
+        self._state_aligned = aligned
+        host[nl] = self._numels[self._rows]
+        host[nl + 1] = starts
+        self._nl = nl
+        self._table = (to_device(torch.from_numpy(host), None, self.device)
+                       if self.n_chunks else None)
+        self._g_aligned = True
+        self._scal = torch.zeros(rules.N_SCALARS, dtype=self.math, device=self.device)
+        self._hyp = torch.zeros(rules.N_HYPER, dtype=torch.float64, device=self.device)
+
+    def _column(self, tensors) -> Tuple[Optional[torch.Tensor], np.ndarray, bool]:
+        """A list's base pointer, its row of the table (per chunk) and whether all is aligned."""
+        live = [t for t, on in zip(tensors, self._live) if on]
+        if not live:
+            return None, np.zeros(self.n_chunks, dtype=np.int64), True
+        base = live[0]
+        ptrs = np.asarray([t.data_ptr() if on else base.data_ptr()
+                           for t, on in zip(tensors, self._live)], dtype=np.int64)
+        col = _deltas(ptrs, base.data_ptr(), base.element_size())[self._rows]
+        return _base_view(base), col, bool(np.all(ptrs % 16 == 0))
+
+    # --- grads ---------------------------------------------------------------------------------
+    def _fits(self, t: torch.Tensor, row: int) -> bool:
+        return t.numel() <= 1 or (_dense(t) and _layout(t) == self._layouts[row])
+
+    def bind(self, grads) -> bool:
+        self._grads = None
+        if len(grads) != self.n:
+            return False
+        if not self.n:
+            self._grads = []
+            return True
+        objs = self._g_objs
+        if objs is not None and all(map(operator.is_, grads, objs)):
+            try:
+                ptrs = list(map(torch.Tensor.data_ptr, grads))
+            except TypeError:
+                return False
+            if ptrs == self._g_ptrs:
+                self._grads = list(grads)
+                return True
+        return self._bind_slow(list(grads))
+
+    def _bind_slow(self, grads) -> bool:
+        g0 = grads[0]
+        if g0 is None or not isinstance(g0, torch.Tensor):
+            return False
+        dtype = g0.dtype
+        if dtype not in self._grad_dtypes:
+            return False
+        device = self.device
+        for g in grads:  # (not ``None in grads``: that compares tensors with ==)
+            if g is None or g.dtype != dtype or g.layout != torch.strided or g.device != device:
+                return False
+        if list(map(torch.Tensor.size, grads)) != self._sizes:
+            return False
+        # a param reshaped in place (``p.data = p.data.view(...)``) no longer fits its state
+        if list(map(torch.Tensor.size, self.state_lists[0])) != self._sizes:
+            return False
+        stage_rows = {}
+        eff = list(grads)
+        contiguous = list(map(torch.Tensor.is_contiguous, grads))
+        for i, g in enumerate(grads):
+            if contiguous[i] and self._row_contiguous[i]:
+                continue  # the common case
+            if g.numel() and not self._fits(g, i):
+                st = self._g_stage_rows.get(i)
+                if st is None or st.copy.dtype != dtype:
+                    st = _Staged(g, self._strides[i], written=False)
+                st.orig = g
+                stage_rows[i] = st
+                eff[i] = st.copy
+        self._g_stage_rows = stage_rows
+        self._g_staged = list(stage_rows.values())
+        base, col, aligned = self._column(eff)
+        if self.n_chunks and (self._g_col is None or not np.array_equal(col, self._g_col)):
+            # new addresses (not just new tensor objects): rewrite the grads' row only
+            to_device(torch.from_numpy(np.ascontiguousarray(col)), self._table[0], device,
+                      "grads' row of the pointer table")
+            self._g_col = col
+        self._g_aligned = aligned
+        self._g_base = base
+        self._g_dtype = dtype
+        self._g_objs = list(grads)
+        self._g_ptrs = list(map(torch.Tensor.data_ptr, grads))
+        self._grads = list(grads)
+        return True
+
+    # --- run -----------------------------------------------------------------------------------
+    def run(self, noop_flag, scalars: rules.StepScalars, grad_scale=None,
+            check_finite: bool = False) -> None:
+        """One update with the host's scalars (copied to the device buffer, no sync)."""
+        grads, self._grads = self._grads, None
+        if grads is None:
+            raise RuntimeError("multi_tensor triton: run() without a successful bind()")
+        if not self.n_chunks:
+            return
+        to_device(rules.pack(scalars, self.math), self._scal, self.device, "scalars")
+        self._hyper = None  # a later device step rewrites its step-independent scalars
+        self._launch(_flag(noop_flag, self.device, self._spare), grad_scale, check_finite)
+
+    def run_device_step(self, step: torch.Tensor, hyper: rules.AdamHyper, noop_flag=None,
+                        grad_scale=None, lr: Optional[torch.Tensor] = None) -> None:
+        """One update whose step and scalars live on the device (sync-free, graph-capturable).
+
+        ``step``: a float32 scalar tensor on the bucket's device holding the number of updates
+        done; it is advanced by one unless ``noop_flag`` (e.g. GradScaler's ``found_inf``) is
+        nonzero, in which case nothing changes. ``hyper``: the step-independent
+        hyperparameters (the host rewrites the device copy only when they change). ``lr``: an
+        optional device tensor read at run time instead of ``hyper.lr`` (capturable lr).
+        """
+        grads, self._grads = self._grads, None
+        if grads is None:
+            raise RuntimeError("multi_tensor triton: run_device_step() without a successful bind()")
+        key = (hyper, lr is not None)
+        if key != self._hyper:
+            self._write_hyper(hyper)
+            self._hyper = key
+        flag = _flag(noop_flag, self.device, self._spare)
+        _launch(_step_scalars_kernel, (1,), self.device, self._hyp, step, flag,
+                lr if lr is not None else self._hyp, self._scal, LR_TENSOR=lr is not None,
+                NBITS=STEP_BITS, num_warps=1)
+        if self.n_chunks:
+            self._launch(flag, grad_scale, False)
+
+    def _write_hyper(self, h: rules.AdamHyper) -> None:
+        # the step-independent fields (the kernel rewrites the step-dependent ones every step)
+        to_device(rules.pack(rules.step_scalars(h, 1), self.math), self._scal, self.device,
+                  "scalars")
+        to_device(rules.pack(rules.device_hyper(h)), self._hyp, self.device, "hyperparameters")
+
+    def _launch(self, flag: torch.Tensor, grad_scale, check_finite: bool) -> None:
+        for st in self._staged:
+            st.copy.copy_(st.orig)
+        for st in self._g_staged:
+            st.copy.copy_(st.orig)
+        g_dt = DTYPE_CODE[self._g_dtype]
+        if check_finite:
+            _launch(_nonfinite_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
+                    self.chunk, self._g_base, flag, NL=self._nl, G_DT=g_dt, BLOCK=BLOCK)
+        gscale = self._scal
+        if grad_scale is not None:
+            gscale = grad_scale.reshape(-1)[:1].to(device=self.device, dtype=self.math)
+        b = dict(zip(self.list_names, self._bases))
+        p_base = b["params"]
+        _launch(_adam_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
+                self.chunk, self._g_base, p_base, b["exp_avgs"], b["exp_avg_sqs"],
+                b.get("emas", p_base), b.get("masters", p_base), self._scal, flag,
+                gscale, G_DT=g_dt, P_DT=self.p_dt, S_DT=self.s_dt, E_DT=self.e_dt,
+                EMA=self.ema, MASTER=self.master, HAS_SCALE=grad_scale is not None,
+                ALIGNED=self._state_aligned and self._g_aligned, BLOCK=BLOCK)
+        for st in self._staged:
+            st.orig.copy_(st.copy)
+
+
+# ---------------------------------------------------------------------------------------------
+# scale
+
+def scale(chunk_size, noop_flag, tensor_lists, scale_factor) -> bool:
+    """multi_tensor_scale; returns False (nothing done) for dtypes the kernel does not handle."""
+    srcs, dsts = tensor_lists
+    if not srcs:
+        return True
+    if any(t.dtype not in DTYPE_CODE for t in srcs) or any(t.dtype not in DTYPE_CODE for t in dsts):
+        return False
+    device = srcs[0].device
+    flag = _flag(noop_flag, device, [])
+    factor = to_device(torch.tensor([float(scale_factor)], dtype=torch.float64), None, device,
+                       "scale factor")
+    chunk = int(chunk_size)
+    groups = {}
+    copy_back = []
+    for s, d in zip(srcs, dsts):
+        if not s.numel():
+            continue
+        if not (_dense(s) and _dense(d) and (s.numel() <= 1 or _layout(s) == _layout(d))):
+            s = s.contiguous()
+            if not (d.is_contiguous()):
+                tmp = torch.empty_like(s, dtype=d.dtype)
+                copy_back.append((d, tmp))
+                d = tmp
+        groups.setdefault((s.dtype, d.dtype), []).append((s, d))
+    for (sdt, ddt), pairs in groups.items():
+        rows, starts, _ = _chunks([s.numel() for s, _ in pairs], chunk)
+        sp = np.asarray([s.data_ptr() for s, _ in pairs], dtype=np.int64)
+        dp = np.asarray([d.data_ptr() for _, d in pairs], dtype=np.int64)
+        s0, d0 = pairs[0]
+        host = np.stack([_deltas(sp, s0.data_ptr(), s0.element_size())[rows],
+                         _deltas(dp, d0.data_ptr(), d0.element_size())[rows],
+                         np.asarray([s.numel() for s, _ in pairs], dtype=np.int64)[rows], starts])
+        aligned = (chunk % 16 == 0 and bool(np.all(sp % 16 == 0)) and bool(np.all(dp % 16 == 0)))
+        table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device)
+        _launch(_scale_kernel, (len(rows),), device, table, len(rows), chunk, _base_view(s0),
+                _base_view(d0), factor, flag, S_DT=DTYPE_CODE[sdt], D_DT=DTYPE_CODE[ddt],
+                ALIGNED=aligned, BLOCK=BLOCK)
+    for d, tmp in copy_back:
+        d.copy_(tmp)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# l2norm
+
+def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+    """multi_tensor_l2norm: (total, per-tensor norms) as fp32 device tensors, or None for
+    dtypes the kernel does not handle. Fixed NORM_BLOCK blocks (independent of chunk_size),
+    each summed in fp64, then each tensor's blocks in index order, then the tensors in order."""
+    del chunk_size
+    tensors = tensor_lists[0]
+    device = tensors[0].device if tensors else noop_flag.device
+    if any(t.dtype not in DTYPE_CODE for t in tensors):
+        return None
+    n = len(tensors)
+    flag = _flag(noop_flag, device, [])
+    counts = [(t.numel() + NORM_BLOCK - 1) // NORM_BLOCK for t in tensors]
+    first = np.cumsum([0] + counts[:-1]).astype(np.int64) if n else np.zeros(0, np.int64)
+    n_blocks = int(sum(counts))
+    partial = torch.zeros(max(n_blocks, 1), dtype=torch.float64, device=device)
+    groups = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            groups.setdefault(t.dtype, []).append((i, t if _dense(t) else t.contiguous()))
+    for dtype, items in groups.items():
+        numels = [t.numel() for _, t in items]
+        rows, starts, _ = _chunks(numels, NORM_BLOCK)
+        ptrs = np.asarray([t.data_ptr() for _, t in items], dtype=np.int64)
+        t0 = items[0][1]
+        out = first[np.asarray([i for i, _ in items], dtype=np.int64)][rows] + starts // NORM_BLOCK
+        host = np.stack([_deltas(ptrs, t0.data_ptr(), t0.element_size())[rows],
+                         np.asarray(numels, dtype=np.int64)[rows], starts, out])
+        table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device)
+        _launch(_sumsq_kernel, (len(rows),), device, table, len(rows), _base_view(t0), partial,
+                flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK, BLOCK=BLOCK)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    per32 = torch.zeros(n, dtype=torch.float32, device=device)
+    if n:
+        rows_host = np.stack([first, np.asarray(counts, dtype=np.int64)])
+        rows_t = to_device(torch.from_numpy(np.ascontiguousarray(rows_host)), None, device)
+        per64 = torch.empty(n, dtype=torch.float64, device=device)
+        _launch(_rowsum_kernel, (n,), device, partial, rows_t, n, per64, per32, RB=NORM_RBLOCK)
+        _launch(_total_kernel, (1,), device, per64, n, total, RB=NORM_RBLOCK)
+    if not per_tensor:
+        per32 = torch.zeros(0, dtype=torch.float32, device=device)
+    return total, per32
+
+
