@@ -146,6 +146,22 @@ class _Bucket:
         self.grads = None
 
 
+class _GroupOptions:
+    """What a param group's options mean for its steps, worked out once per change of an option
+    (when :meth:`FusedOptimizerBase._ensure_checked` checks them), not at every step.
+
+    ``signature``: what the bound lists depend on (a change re-plans); ``hyper``: the group's
+    :class:`~multi_tensor.rules.AdamHyper`, the same at every step, or None where it depends on
+    the step (an EMA schedule) and is made per step.
+    """
+
+    __slots__ = ("signature", "hyper")
+
+    def __init__(self, signature, hyper: Optional[rules.AdamHyper]):
+        self.signature = signature
+        self.hyper = hyper
+
+
 class _GroupPlan:
     __slots__ = ("params", "count", "signature", "present", "buckets")
 
@@ -235,6 +251,12 @@ def _changes_in_place(value) -> bool:
     return isinstance(value, list) or (isinstance(value, torch.Tensor) and value.device.type == "cpu")
 
 
+def _holds_tensor(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
 def _device_lr(group: Dict[str, Any]) -> Optional[torch.Tensor]:
     """A capturable group's tensor ``lr``, which its kernels read on the device."""
     lr = group["lr"]
@@ -273,7 +295,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: max_grad_norm must be > 0, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Optional[torch.Tensor] = None
-        self._checked_groups: Dict[int, Optional[tuple]] = {}  # id(group) -> (ids, values, group)
+        # id(group) -> (ids, values, group, _GroupOptions), or None for options that change in place
+        self._checked_groups: Dict[int, Optional[tuple]] = {}
         self._chunk_size = chunk_size
         if not fused_unscale:
             # GradScaler then unscales the grads itself before step() (what frameworks that clip
@@ -452,9 +475,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """A group's buckets for this step: options checked (the plan depends on them), planned,
         grads bound."""
         grads = [p.grad for p in group["params"]]
-        if any(g is not None for g in grads):
-            self._ensure_checked(group)
-        return self._plan(group, grads).buckets
+        options = self._ensure_checked(group) if any(g is not None for g in grads) else None
+        return self._plan(group, grads, options).buckets
 
     def _hypers(self, work) -> List[rules.AdamHyper]:
         """Every bucket's hyperparameters, once per (group, step), before any bucket runs (an
@@ -462,11 +484,21 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         memo: Dict[tuple, rules.AdamHyper] = {}
         out = []
         for group, bucket in work:
-            key = (id(group), bucket.step + 1)
-            if key not in memo:
-                memo[key] = self._hyper(group, bucket.step + 1)
-            out.append(memo[key])
+            step = bucket.step + 1
+            key = (id(group), step)
+            hyper = memo.get(key)
+            if hyper is None:
+                checked = self._checked_groups.get(id(group))
+                hyper = checked[3].hyper if checked is not None else None
+                if hyper is None:
+                    hyper = self._hyper(group, step)
+                memo[key] = hyper
+                self._note_hyper(group, step, hyper)
+            out.append(hyper)
         return out
+
+    def _note_hyper(self, group: Dict[str, Any], step: int, hyper: rules.AdamHyper) -> None:
+        """Called once per (group, step) with the hyperparameters the step uses."""
 
     @staticmethod
     def _overflow(found_inf: Optional[torch.Tensor], work) -> tuple:
@@ -517,7 +549,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             squares.append(square.to(device=work[0][1].device))
         return torch.stack(squares).sum().sqrt()
 
-    def _ensure_checked(self, group: Dict[str, Any]) -> None:
+    def _ensure_checked(self, group: Dict[str, Any]) -> Optional[_GroupOptions]:
         """Check a group's options unless none was replaced since the last check (a scheduler
         assigns a new lr object). CPU tensor options can change in place, so they are checked at
         every step; a tensor on an accelerator only when it is replaced, as torch checks it only
@@ -526,20 +558,35 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         The options are told apart by identity (``id``), which is cheap and never compares
         tensors or lists by value; an id names one object only while it lives (CPython gives a
         freed address to the next object: ``lr = 0.5`` then ``lr = nan`` may reuse it), so the
-        checked values and the group itself are kept alive beside their ids."""
+        checked values and the group itself are kept alive beside their ids.
+
+        Returns the group's :class:`_GroupOptions` (None for options that change in place, which
+        are worked out at every step)."""
         key = tuple(map(id, group.values()))
         checked = self._checked_groups.get(id(group))
-        if checked is None or checked[0] != key:
-            self._check_group(group)
-            mutable = any(_changes_in_place(v) for k, v in group.items() if k != "params")
-            self._checked_groups[id(group)] = None if mutable else (key, tuple(group.values()),
-                                                                     group)
+        if checked is not None and checked[0] == key:
+            return checked[3]
+        self._check_group(group)
+        mutable = any(_changes_in_place(v) for k, v in group.items() if k != "params")
+        if mutable:
+            self._checked_groups[id(group)] = None
+            return None
+        step_dependent = self._step_dependent(group)
+        # a tensor option (an lr on the device) is read at every step, as torch reads it
+        constant = not step_dependent and not any(
+            _holds_tensor(v) for k, v in group.items() if k != "params")
+        options = _GroupOptions((self._plan_signature(group), step_dependent),
+                                self._hyper(group, 1) if constant else None)
+        self._checked_groups[id(group)] = (key, tuple(group.values()), group, options)
+        return options
 
     # --- plans --------------------------------------------------------------------------------
-    def _plan(self, group: Dict[str, Any], grads: List[Optional[torch.Tensor]]) -> _GroupPlan:
+    def _plan(self, group: Dict[str, Any], grads: List[Optional[torch.Tensor]],
+              options: Optional[_GroupOptions] = None) -> _GroupPlan:
         """The group's plan for these grads, every bucket bound (see the module docstring)."""
         params = group["params"]
-        signature = (self._plan_signature(group), self._step_dependent(group))
+        signature = (options.signature if options is not None
+                     else (self._plan_signature(group), self._step_dependent(group)))
         plan = self._plans.get(id(group))
         if plan is not None and plan.bind(params, signature, grads):
             return plan

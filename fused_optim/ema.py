@@ -56,14 +56,16 @@ class EmaAccessMixin(EmaBufferMixin):
     def _ema_decay(self, group: Dict[str, Any], step: int) -> Optional[float]:
         """The EMA decay of ``group``'s update at step ``step`` (None: the group keeps no EMA).
 
-        Called once per (group, step) before any bucket runs, so a bad schedule value raises
-        with nothing changed; the decays used are kept in ``last_ema_decays``.
+        Called before any bucket runs, so a bad schedule value raises with nothing changed.
         """
-        decay = ema_schedules.group_ema_decay(type(self).__name__, group, step, checked=True)
-        if decay is not None:
+        return ema_schedules.group_ema_decay(type(self).__name__, group, step, checked=True)
+
+    def _note_hyper(self, group: Dict[str, Any], step: int, hyper) -> None:
+        """The decays each step uses are kept in ``last_ema_decays``."""
+        if hyper.ema_decay is not None:
             index = next(i for i, g in enumerate(self.param_groups) if g is group)
-            self.last_ema_decays[(index, step)] = decay
-        return decay
+            self.last_ema_decays[(index, step)] = hyper.ema_decay
+        super()._note_hyper(group, step, hyper)
 
     def _before_step(self) -> None:
         self._check_not_swapped()
