@@ -1,0 +1,86 @@
+"""Global grad-norm clipping and GradScaler's overflow flag, folded into the kernels.
+
+``max_grad_norm`` clips the grads to a global L2 norm (of the unscaled grads, over every param
+with a grad, as ``torch.nn.utils.clip_grad_norm_``): one multi-tensor l2norm launch per bucket,
+the clip factor folded into the kernel's grad multiplier (no extra pass over the grads), a
+non-finite norm skipping the step. For sharded params the squared local norms are summed over
+the ranks holding the shards (an all-reduce per sharded bucket).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from multi_tensor import validation
+from multi_tensor.backends import registry
+
+
+def _sum_over_shards(square: torch.Tensor, layout) -> torch.Tensor:
+    """The sum of a local squared norm over the ranks holding the other shards: an all-reduce
+    over each mesh dimension the grads are sharded along (replicated dimensions hold copies),
+    as ``clip_grad_norm_`` reduces the norm of DTensor grads. Every rank runs the same buckets
+    in the same order, so the collectives match."""
+    import torch.distributed as dist
+
+    mesh, placements = layout
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            dist.all_reduce(square, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        elif not placement.is_replicate():
+            raise NotImplementedError(
+                f"max_grad_norm: grads with placement {placement} (only Shard and Replicate)")
+    return square
+
+
+class ClippingMixin:
+    """The unscale factor and overflow of :class:`fused_optim.base.FusedOptimizerBase`'s step."""
+
+    @staticmethod
+    def _overflow(found_inf: Optional[torch.Tensor], work) -> tuple:
+        """``(skip now, device flag)`` from GradScaler's ``found_inf`` on an accelerator.
+
+        Read on the host, except when every bucket reads it on the device (device steps): then
+        it is handed to the kernels and nothing syncs.
+        """
+        if found_inf is None or found_inf.device.type == "cpu" or not work:
+            return False, None
+        if all(b.device_steps for _, b in work):
+            return False, found_inf
+        return bool(found_inf.item() != 0), None
+
+    def _unscale_factor(self, work) -> tuple:
+        """``(skip, grad scale)``: the scale the kernels divide the grads by is GradScaler's,
+        with the clip factor folded in when clipping (``scale / clip`` in double, rounded once
+        to fp32); a non-finite grad norm skips the step."""
+        grad_scale = getattr(self, "grad_scale", None)
+        if self.max_grad_norm is None or not work:
+            return False, grad_scale
+        norm = self._grad_norm(work)
+        if grad_scale is not None:
+            norm = norm / grad_scale.to(device=norm.device, dtype=torch.float64)
+        self.last_grad_norm = norm
+        if not bool(torch.isfinite(norm)):  # one host read per step when clipping
+            return True, None
+        clip = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        scale = 1.0 if grad_scale is None else grad_scale.to(device=norm.device,
+                                                               dtype=torch.float64)
+        return False, (scale / clip).to(torch.float32)
+
+    def _grad_norm(self, work) -> torch.Tensor:
+        """The global L2 norm of the bound grads (as they are, scaled or not), in fp64: one
+        multi-tensor l2norm launch per bucket."""
+        squares = []
+        for _, bucket in work:
+            backend = registry.backend_for(
+                "l2norm", bucket.device,
+                tensor_subclasses=validation.storageless([bucket.grads], ("grads",)) is not None)
+            # a flag of its own: l2norm sets it on a non-finite grad, and the step's noop flag
+            # must stay clear
+            flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
+            total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
+            square = total.to(dtype=torch.float64).square()
+            if bucket.layout is not None:
+                square = _sum_over_shards(square, bucket.layout)
+            squares.append(square.to(device=work[0][1].device))
+        return torch.stack(squares).sum().sqrt()
