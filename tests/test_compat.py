@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 
+import helpers
+
 import fused_optim
 from fused_optim import FusedEmaAdamW, compat
 
@@ -18,9 +20,7 @@ def fused_class(name):
 
 
 def make_params(dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(8, 5, generator=gen).to(dtype)),
-            torch.nn.Parameter(torch.randn(13, generator=gen).to(dtype))]
+    return helpers.make_params(((8, 5), (13,)), dtype, seed)
 
 
 def clone_params(params):

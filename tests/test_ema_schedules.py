@@ -7,6 +7,8 @@ import io
 import pytest
 import torch
 
+import helpers
+
 from fused_optim import FusedEmaAdamW
 from fused_optim import ema_schedules
 
@@ -78,9 +80,7 @@ CASES = {
 
 
 def make_params(dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(6, 5, generator=gen).to(dtype)),
-            torch.nn.Parameter(torch.randn(11, generator=gen).to(dtype))]
+    return helpers.make_params(((6, 5), (11,)), dtype, seed)
 
 
 def set_grads(params, t, seed=1000):

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+import helpers
+
 from fused_optim import FusedAdamW, FusedEmaAdamW, FusedRAdam
 
 
 def _params(dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(7, 33), (130,), (0,), (4, 5, 6)]
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    return helpers.make_params([(7, 33), (130,), (0,), (4, 5, 6)], dtype, seed)
 
 
 def _grads(params, t):

@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 
+import helpers
+
 from fused_optim import FusedEmaAdamW
 from seed_reference import (SeedParamState, assert_bitwise_equal, assert_close64,
                             assert_unchanged, assert_within_ulps, seed_update, snapshot)
@@ -16,8 +18,7 @@ SHAPES = [(5, 4), (4,), (0,), (3, 2, 2), (1,)]
 
 
 def make_params(shapes=SHAPES, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    return helpers.make_params(shapes, dtype, seed)
 
 
 def make_grads(params, steps, seed=1, dtype=None):

@@ -192,9 +192,8 @@ def _make_optimizer(rng):
 
 
 def _params(dtype, seed, shapes):
-    import torch
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    import helpers  # tests/helpers.py (the worker puts tests/ on sys.path)
+    return helpers.make_params(shapes, dtype, seed)
 
 
 def _grads(step, dtype, seed, shapes, inf_at):

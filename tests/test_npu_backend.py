@@ -13,6 +13,8 @@ import io
 import pytest
 import torch
 
+import helpers
+
 from fused_optim import FusedAdam, FusedEmaAdamW, FusedRAdam
 from multi_tensor import forced_backend, multi_tensor_fused_ema_adamw, rules
 from multi_tensor.backends import flat, npu, npu_standin
@@ -30,13 +32,11 @@ def standin():
 
 
 def make_params(dtype, shapes=SHAPES, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    return helpers.make_params(shapes, dtype, seed)
 
 
 def grads_for(params, step, dtype=None, scale=1.0):
-    g = torch.Generator().manual_seed(1000 + step)
-    return [(torch.randn(p.shape, generator=g) * scale).to(dtype or p.dtype) for p in params]
+    return helpers.random_grads(params, 1000 + step, dtype, scale)
 
 
 def train(backend, *, dtype=F32, grad_dtype=None, steps=12, shapes=SHAPES, opt_cls=FusedEmaAdamW,
