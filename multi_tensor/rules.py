@@ -39,8 +39,10 @@ would converge to c * (1 - 1.7e-4).
 
 RAdam (``torch.optim.RAdam``) is the same element math with other scalars: ``isb2 = 1`` and
 ``step_size = lr * rect * sqrt(bc2) / bc1`` when ``rho_t > 5``; otherwise ``use_denom`` is off and
-``step_size = lr / bc1``. Its decoupled decay is ``w - (lr * wd) * w`` like AdamW's (torch forms
-``w * (1 - lr * wd)``: the same in exact arithmetic).
+``step_size = lr / bc1``. ``rho_t`` comes from :func:`radam_rho`, torch's formula rewritten
+without its cancellation near ``beta2 = 1`` (still only ``+ - * /``). Its decoupled decay is
+``w - (lr * wd) * w`` like AdamW's (torch forms ``w * (1 - lr * wd)``: the same in exact
+arithmetic).
 
 fp64 buckets follow the same order in fp64 with correctly rounded fp64 sqrt and division.
 """

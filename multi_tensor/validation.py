@@ -302,18 +302,27 @@ def check_no_overlap(op: str, named_lists, read_only: Sequence[str] = ("grads",)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or not t.numel() or not has_storage(t):
                 continue
+            size = t.element_size()
+            lo = t.data_ptr()  # the storage's address + storage_offset * itemsize
+            if t.is_contiguous():  # the common case, without Python work per dim
+                spans.append((lo, lo + t.numel() * size, name, i, t, written))
+                continue
             if written and has_internal_overlap(t):
                 raise RuntimeError(
                     f"{op}: {name}[{i}] ({_describe(t)}, strides {tuple(t.stride())}) has elements "
                     f"that share memory (an expanded or stride-0 view); a tensor the op writes "
                     f"needs memory of its own for every element: pass a copy (t.contiguous() or "
                     f"t.clone())")
-            lo = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-            spans.append((lo, lo + _extent(t) * t.element_size(), name, i, t, written))
-    spans.sort(key=lambda s: s[0])
+            spans.append((lo, lo + _extent(t) * size, name, i, t, written))
+    spans.sort()  # by start (then end, list name and index: unique, so tensors are never compared)
     active = []  # spans whose range reaches past the current start
+    reach = 0    # the furthest end among them
     for span in spans:
         lo = span[0]
+        if lo >= reach:  # the common case: past every earlier span
+            active = [span]
+            reach = span[1]
+            continue
         active = [a for a in active if a[1] > lo]
         for other in active:
             if not (span[5] or other[5]):
@@ -332,3 +341,4 @@ def check_no_overlap(op: str, named_lists, read_only: Sequence[str] = ("grads",)
                     f"param twice in one group, overlapping views of one buffer, or one tensor in "
                     f"two state lists are refused)")
         active.append(span)
+        reach = max(reach, span[1])
