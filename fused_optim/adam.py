@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from multi_tensor import multi_tensor_applier
 
-from .adam_state import AdamStateMixin, check_torch_options, check_unsupported_flags
+from .adam_state import AdamStateMixin
 from .base import FusedOptimizerBase
 
 _UPDATE_DOC = r"""
@@ -67,14 +67,12 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
                  differentiable: bool = False,
                  fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
                  chunk_size: int = multi_tensor_applier.chunk_size):
-        check_torch_options(type(self).__name__, lr, betas, foreach=foreach, fused=fused,
-                            capturable=capturable, differentiable=differentiable)
-        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad,
-                                differentiable=differentiable)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         master_weights=master_weights, maximize=maximize, capturable=capturable)
-        self._check_group(defaults)
+        # every option checked once, with the torch flags that are not kept in the groups
+        self._check_group(dict(defaults, amsgrad=amsgrad, foreach=foreach, fused=fused,
+                               differentiable=differentiable))
         self.set_grad_none = bool(set_grad_none)
         super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
                          max_grad_norm=max_grad_norm)

@@ -8,7 +8,7 @@ import torch
 from multi_tensor import multi_tensor_applier
 
 from . import ema_schedules
-from .adam_state import AdamStateMixin, check_torch_options, check_unsupported_flags
+from .adam_state import AdamStateMixin
 from .base import FusedOptimizerBase
 from .ema import EmaAccessMixin
 
@@ -98,10 +98,6 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                  capturable: bool = False, differentiable: bool = False,
                  fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
                  chunk_size: int = multi_tensor_applier.chunk_size):
-        check_torch_options(type(self).__name__, lr, betas, foreach=foreach, fused=fused,
-                            capturable=capturable, differentiable=differentiable)
-        check_unsupported_flags(type(self).__name__, amsgrad=amsgrad,
-                                differentiable=differentiable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         ema_decay=ema_decay, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, master_weights=master_weights,
@@ -109,7 +105,10 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
                         ema_start_step=ema_start_step, ema_inv_gamma=ema_inv_gamma,
                         ema_power=ema_power, ema_min_decay=ema_min_decay,
                         ema_update_every=ema_update_every, ema_dtype=ema_dtype)
-        self._check_group(defaults)
+        # every option checked once, before anything is made; the torch flags that are not kept
+        # in the groups (amsgrad, foreach, fused, differentiable) with them
+        self._check_group(dict(defaults, amsgrad=amsgrad, foreach=foreach, fused=fused,
+                               differentiable=differentiable))
         super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
                          max_grad_norm=max_grad_norm)
 
