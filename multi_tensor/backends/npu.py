@@ -89,6 +89,7 @@ import torch
 from .. import schema
 from ..rules import StepScalars
 from . import flat, reference
+from . import registry
 from .registry import Backend, register_backend
 
 OP_MODES = ("torch", "cann", "cann_literal")
@@ -278,8 +279,7 @@ class FlatAdamBucket:
         self.param_dtype = params[0].dtype if params else torch.float32
         self.work_dtype = torch.float32 if self.has_master else self.param_dtype
         self.math_dtype = reference.math_dtype(self.work_dtype)
-        self._grad_dtypes = ((torch.float64,) if self.param_dtype == torch.float64
-                             else (torch.float16, torch.bfloat16, torch.float32))
+        self._grad_dtypes = registry.grad_dtypes(self.param_dtype)
         self.shapes = [p.shape for p in params]
         # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)
         emas = lists.emas or []
@@ -325,16 +325,8 @@ class FlatAdamBucket:
     def bind(self, grads) -> bool:
         """Whether ``grads`` fit the bucket (count, one allowed dtype, shapes, device, dense)."""
         self._grads = None
-        if len(grads) != len(self.shapes):
+        if not registry.grads_fit(grads, self.shapes, self.device, self._grad_dtypes):
             return False
-        if grads:
-            dtype = grads[0].dtype if grads[0] is not None else None
-            if dtype not in self._grad_dtypes:
-                return False
-            for g, shape in zip(grads, self.shapes):
-                if (g is None or g.dtype != dtype or g.shape != shape or g.device != self.device
-                        or g.layout != torch.strided):
-                    return False
         if self._param_ptrs is not None and [p.data_ptr() for p in self.params] != self._param_ptrs:
             return False  # a param was reallocated: it no longer lives in the flat buffer
         self._grads = list(grads)

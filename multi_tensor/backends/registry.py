@@ -148,6 +148,31 @@ def backend_for(op: str, device, *, tensor_subclasses: bool = False) -> Backend:
     return backend
 
 
+def grad_dtypes(param_dtype: Optional[torch.dtype]) -> tuple:
+    """The grad dtypes a bucket of ``param_dtype`` params takes (the op table's rule)."""
+    if param_dtype == torch.float64:
+        return (torch.float64,)
+    return (torch.float16, torch.bfloat16, torch.float32)
+
+
+def grads_fit(grads, shapes, device, allowed) -> bool:
+    """The per-step grad check of the Python buckets: one grad per row, one dtype from
+    ``allowed``, each of its row's shape, dense, on ``device``. False means "plan again": the
+    optimizer's full check then names what is wrong."""
+    if len(grads) != len(shapes):
+        return False
+    if not grads:
+        return True
+    dtype = grads[0].dtype if grads[0] is not None else None
+    if dtype not in allowed:
+        return False
+    for g, shape in zip(grads, shapes):
+        if (g is None or g.dtype != dtype or g.shape != shape or g.device != device
+                or g.layout != torch.strided):
+            return False
+    return True
+
+
 class PreparedOp:
     """An Adam-family bucket of a backend whose kernel takes whole lists per call (the reference).
 
@@ -163,25 +188,16 @@ class PreparedOp:
         params = lists.params
         self._shapes = [p.shape for p in params]
         self._device = params[0].device if params else None
-        self._grad_dtypes = ((torch.float64,) if params and params[0].dtype == torch.float64
-                             else (torch.float16, torch.bfloat16, torch.float32))
+        self._grad_dtypes = grad_dtypes(params[0].dtype if params else None)
         self._grads = None
 
     def bind(self, grads) -> bool:
         self._grads = None
-        if len(grads) != len(self._shapes):
+        if not grads_fit(grads, self._shapes, self._device, self._grad_dtypes):
             return False
-        if grads:
-            dtype = grads[0].dtype if grads[0] is not None else None
-            if dtype not in self._grad_dtypes:
+        for _, tensors in self.lists.present():
+            if any(t.shape != shape for t, shape in zip(tensors, self._shapes)):
                 return False
-            for g, shape in zip(grads, self._shapes):
-                if (g is None or g.dtype != dtype or g.shape != shape or g.device != self._device
-                        or g.layout != torch.strided):
-                    return False
-            for name, tensors in self.lists.present():
-                if any(t.shape != shape for t, shape in zip(tensors, self._shapes)):
-                    return False
         self._grads = list(grads)
         return True
 
