@@ -8,10 +8,11 @@ from .backends import backend_for, forced_backend, register_backend, registered_
 from .ops import (multi_tensor_adam, multi_tensor_fused_ema_adamw, multi_tensor_l2norm,
                   multi_tensor_radam, multi_tensor_radam_ema, multi_tensor_scale)
 from .rules import AdamHyper, StepScalars, step_scalars
+from .schema import AdamLists
 
 __all__ = [
     "MultiTensorApply", "multi_tensor_applier", "multi_tensor_fused_ema_adamw",
     "multi_tensor_adam", "multi_tensor_radam", "multi_tensor_radam_ema", "multi_tensor_scale",
-    "multi_tensor_l2norm", "AdamHyper", "StepScalars", "step_scalars",
+    "multi_tensor_l2norm", "AdamHyper", "StepScalars", "step_scalars", "AdamLists",
     "backend_for", "forced_backend", "register_backend", "registered_backends",
 ]
