@@ -215,8 +215,10 @@ class AdamStateMixin:
                 state[key] = value.to(dtype=dtype)
 
     def _refuse_meta(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
-        if not state:  # the entry reading self.state[p] made: a refused param keeps no state
-            self.state.pop(p, None)
+        # planning reads self.state[q] (a defaultdict) and so leaves empty entries; a refused
+        # step keeps none (an empty entry means what no entry means)
+        for key in [k for k, v in self.state.items() if isinstance(v, dict) and not v]:
+            del self.state[key]
         where = next((f"param_groups[{gi}]['params'][{pi}]"
                       for gi, g in enumerate(self.param_groups)
                       for pi, q in enumerate(g["params"]) if q is p), "a param")
