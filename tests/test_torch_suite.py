@@ -21,8 +21,8 @@ for-loop optimizer and the flag on is ours: ours is compared with torch, not wit
 The tests run on CPU only; those marked ``onlyCUDA`` or needing several GPUs skip with torch's
 reason. ``test_adamw_serialization`` and ``test_step_iteration`` construct only
 ``torch.optim.AdamW`` / ``LBFGS`` (no optimizer of ours), so they are skipped saying so.
-233 tests (47 skip on CPU), about 30 s on 2 cores; the slowest are the
-``test_forloop_goes_right_direction`` cases (the LR-scheduler ones, about 2 s each).
+``test_fused_large_tensor`` (2**32-element params) is skipped for its time and memory. 233 tests,
+186 run on CPU, in about 25 s on 2 cores, none over 2 s.
 """
 from __future__ import annotations
 
@@ -117,10 +117,18 @@ def _without_default_decay(info):
     return swapped
 
 
+# torch's test steps 2**32-element fp16 params where the machine has 64 GB: minutes of CPU time
+# and memory this suite's budget does not have (it skips for memory on smaller machines anyway)
+_LARGE = DecorateInfo(unittest.skip("2**32-element params (64 GB): beyond this suite's time and "
+                                    "memory budget on CPU"),
+                      "TestOptimRenewed", "test_fused_large_tensor")
+
+
 def _info(cls, torch_cls, impls, extra=None, decorators=()):
     torch_info = _TORCH_INFO[torch_cls]
     comparisons = [DecorateInfo(_swap_info(_against_torch(flag)), "TestOptimRenewed",
                                 f"test_{flag}_matches_forloop") for flag in impls]
+    comparisons.append(_LARGE)
     info = OptimizerInfo(
         cls,
         optim_inputs_func=_inputs(torch_cls, extra),
