@@ -77,6 +77,8 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
         super().__init__(params, defaults, chunk_size=chunk_size, fused_unscale=fused_unscale,
                          max_grad_norm=max_grad_norm)
 
+    _instance_attrs = ("set_grad_none",)  # carried by deepcopy/pickle (FusedOptimizerBase)
+
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clear grads: to None if ``set_to_none`` (default: the ``set_grad_none`` option)."""
         if set_to_none is None:

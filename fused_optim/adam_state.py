@@ -189,7 +189,12 @@ class AdamStateMixin:
 
     # --- state --------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, group: Dict[str, Any], state: Dict[str, Any]) -> None:
-        """Create missing state (loaded state keeps its values, cast to the state dtype)."""
+        """Create missing state (loaded state keeps its values, cast to the state dtype).
+
+        A param on the meta device holds no data, so it cannot be stepped: refused here, before
+        any of its state exists, as torch's fused optimizers refuse it."""
+        if p.is_meta:
+            self._refuse_meta(p, state)
         use_master = self._uses_master(p, group)
         state_dtype = torch.float32 if use_master else p.dtype
         if "step" not in state:
@@ -209,6 +214,19 @@ class AdamStateMixin:
                                                   memory_format=torch.preserve_format)
             elif value.dtype != dtype:
                 state[key] = value.to(dtype=dtype)
+
+    def _refuse_meta(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
+        # planning reads self.state[q] (a defaultdict) and so leaves empty entries; a refused
+        # step keeps none (an empty entry means what no entry means)
+        for key in [k for k, v in self.state.items() if isinstance(v, dict) and not v]:
+            del self.state[key]
+        where = next((f"param_groups[{gi}]['params'][{pi}]"
+                      for gi, g in enumerate(self.param_groups)
+                      for pi, q in enumerate(g["params"]) if q is p), "a param")
+        raise RuntimeError(
+            f"`fused=True` requires all the params to be floating point Tensors of supported "
+            f"devices ({type(self).__name__}: {where} is on the meta device, which holds no "
+            f"data; materialize the params first, e.g. with module.to_empty(device=...))")
 
     def _state_lists(self, params: List[torch.Tensor], group: Dict[str, Any]) -> schema.AdamLists:
         states = [self.state[p] for p in params]

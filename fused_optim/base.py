@@ -148,8 +148,30 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         if hasattr(self, "_plans"):
             self._plans.clear()
 
+    # What an instance keeps outside its param groups and state, and so what copy.deepcopy and
+    # pickle must carry besides torch's defaults/state/param_groups; subclasses add their own
+    # (every class in the MRO is read). Not part of state_dict(): these are the options of the
+    # optimizer that loads a state dict, kept as they are, like its chunk_size.
+    _instance_attrs = ("max_grad_norm", "last_grad_norm", "_chunk_size",
+                       "_step_supports_amp_scaling")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        for cls in type(self).__mro__:
+            for key in cls.__dict__.get("_instance_attrs", ()):
+                if key in self.__dict__:  # _step_supports_amp_scaling: only when fused_unscale=False
+                    state[key] = self.__dict__[key]
+        return state
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        # torch's __setstate__ adds "differentiable" to the defaults; an optimizer whose
+        # constructor has no such option must not then copy it into every group (a loaded
+        # state dict would no longer equal the saved one)
+        defaults = state.get("defaults", self.__dict__.get("defaults", {}))
+        had_differentiable = "differentiable" in defaults
         super().__setstate__(state)
+        if not had_differentiable:
+            self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("_plans", {})
         self.__dict__.setdefault("_chunk_size", multi_tensor_applier.chunk_size)
         self.__dict__.setdefault("max_grad_norm", None)

@@ -81,12 +81,15 @@ class CheckpointMixin:
         Params that step together share one step tensor here; a saved dict must not carry that
         sharing (a ``torch.optim`` optimizer loading it would advance the shared tensor once per
         param), so each param's entry gets its own copy of ``step``. Everything else is returned
-        by reference, as torch does.
+        by reference, as torch does. Options kept on the instance (``max_grad_norm``,
+        ``fused_unscale``, ...) are not in it: they stay those of the optimizer that loads it.
         """
         state_dict = super().state_dict()
+        # entries that are not a param's (a state_dict pre-hook may add any) pass through, as torch's
         state_dict["state"] = {
             pid: ({**entry, "step": entry["step"].clone()}
-                  if isinstance(entry.get("step"), torch.Tensor) else entry)
+                  if isinstance(entry, dict) and isinstance(entry.get("step"), torch.Tensor)
+                  else entry)
             for pid, entry in state_dict["state"].items()
         }
         return state_dict

@@ -51,6 +51,9 @@ class EmaAccessMixin(EmaBufferMixin):
     _ema_stored: Optional[List[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
     _ema_stored_buffers: Optional[Dict[str, torch.Tensor]] = None
     last_ema_decays: Dict[Tuple[int, int], float] = {}
+    # carried by deepcopy/pickle (FusedOptimizerBase): the last decays, and a swap in progress
+    # (a copy of a swapped optimizer must know its params hold the EMA)
+    _instance_attrs = ("last_ema_decays", "_ema_swapped", "_ema_stored", "_ema_stored_buffers")
 
     # --- schedules ----------------------------------------------------------------------------
     def _ema_decay(self, group: Dict[str, Any], step: int) -> Optional[float]:

@@ -134,18 +134,38 @@ def real(op: str, name: str, value) -> float:
     return float(value)
 
 
+# torch.optim's texts for the same errors (Adam/AdamW/RAdam); ours start with them, the detail
+# follows in parentheses
+_TORCH_TEXT = {
+    "lr": "Invalid learning rate: {}",
+    "eps": "Invalid epsilon value: {}",
+    "beta1": "Invalid beta parameter at index 0: {}",
+    "beta2": "Invalid beta parameter at index 1: {}",
+    "weight_decay": "Invalid weight_decay value: {}",
+    "ema_decay": "Invalid ema_decay value: {}",
+}
+
+
+def _check_range(op: str, name: str, value, below_one: bool) -> None:
+    """``value`` finite and >= 0 (and < 1 with ``below_one``), else torch's text and ours."""
+    try:
+        x = real(op, name, value)
+    except ValueError as e:
+        raise ValueError(f"{_TORCH_TEXT[name].format(value)} ({e})") from None
+    if x < 0.0 or (below_one and x >= 1.0):
+        bound = "in [0, 1)" if below_one else ">= 0"
+        raise ValueError(f"{_TORCH_TEXT[name].format(value)} ({op}: {name} must be {bound})")
+
+
 def check_hyperparameters(op: str, *, lr=None, eps=None, beta1=None, beta2=None, ema_decay=None,
                           weight_decay=None, step=None, mode=None) -> None:
-    """Scalar hyperparameters: finite, and in the range the update is defined for."""
-    if lr is not None and real(op, "lr", lr) < 0.0:
-        raise ValueError(f"{op}: invalid learning rate lr={lr}: must be >= 0")
-    if eps is not None and real(op, "eps", eps) < 0.0:
-        raise ValueError(f"{op}: invalid epsilon eps={eps}: must be >= 0")
-    for name, value in (("beta1", beta1), ("beta2", beta2), ("ema_decay", ema_decay)):
-        if value is not None and not 0.0 <= real(op, name, value) < 1.0:
-            raise ValueError(f"{op}: invalid {name}={value}: must be in [0, 1)")
-    if weight_decay is not None and real(op, "weight_decay", weight_decay) < 0.0:
-        raise ValueError(f"{op}: invalid weight_decay={weight_decay}: must be >= 0")
+    """Scalar hyperparameters: finite, and in the range the update is defined for. A message
+    starts with torch.optim's text for the same error, e.g. ``Invalid learning rate: -1``."""
+    for name, value, below_one in (("lr", lr, False), ("eps", eps, False), ("beta1", beta1, True),
+                                   ("beta2", beta2, True), ("ema_decay", ema_decay, True),
+                                   ("weight_decay", weight_decay, False)):
+        if value is not None:
+            _check_range(op, name, value, below_one)
     if step is not None:
         check_step(op, step)
     if mode is not None and (isinstance(mode, bool) or mode not in (0, 1)):

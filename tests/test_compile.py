@@ -310,7 +310,7 @@ def test_bad_option_raises_while_compiling():
     opt = FusedEmaAdamW(model.parameters(), lr=1e-2)
     backward(model, opt, 1)
     opt.param_groups[0]["lr"] = -1.0
-    with pytest.raises(RuntimeError, match="invalid learning rate"):
+    with pytest.raises(RuntimeError, match="Invalid learning rate"):
         torch.compile(opt.step, backend="eager", fullgraph=True)()
     assert not opt.state
 
