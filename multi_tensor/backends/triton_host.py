@@ -238,6 +238,10 @@ class AdamBucket:
         # the state tensors as bound, and their addresses (bind refuses when one moved)
         self._s_objs = [t for tensors in self.state_lists for t in tensors]
         self._s_ptrs = list(map(torch.Tensor.data_ptr, self._s_objs))
+        # their storage as bound, kept alive: no other tensor can take these addresses, so an
+        # equal address in bind is this storage (a moved tensor's old storage is not reused
+        # under the kernel)
+        self._s_keep = [t.detach() for t in self._s_objs]
         self.captured = False
         self._norm: Optional[_NormPlan] = None  # the grads' l2norm tables (grad_norm)
         self._retired: List[torch.Tensor] = []  # buffers a captured graph still reads
@@ -299,6 +303,22 @@ class AdamBucket:
             return list(map(torch.Tensor.data_ptr, self._s_objs)) != self._s_ptrs
         except (TypeError, RuntimeError):
             return True
+
+    def bind_unchanged(self, grads) -> bool:
+        """``bind`` for the grads last bound, unchanged (the same objects at the same
+        addresses) with the state unmoved; False (nothing bound) otherwise."""
+        self._grads = None
+        objs = self._g_objs
+        if (objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs))
+                or self.state_moved()):
+            return False
+        try:
+            if list(map(torch.Tensor.data_ptr, grads)) != self._g_ptrs:
+                return False
+        except TypeError:
+            return False
+        self._grads = list(grads)
+        return True
 
     def bind(self, grads) -> bool:
         self._grads = None
