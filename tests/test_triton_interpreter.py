@@ -803,6 +803,53 @@ for _cls in ("FusedEmaAdamW", "FusedAdamW"):
     case(f"optimizer-{_cls}-capturable-clipping-on-device")(lambda c=_cls: _clip_case(c))
 
 
+@case("op-path-checks-once-per-bucket")
+def _op_path_checks():
+    """The apex op on the same tensors each call: checked when its bucket is made, not again
+    while they are unchanged; a moved grad or state tensor is checked again (and refused when
+    bad), and every call gives the reference's bits."""
+    from multi_tensor import ops, plan
+    _cpu_clone_backend()
+    calls = []
+    orig = schema.check_adam_lists
+
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    lists = make_lists("fused_ema_adamw", "fp32", SMALL)
+    want = clone(lists)
+    noop = torch.zeros(1, dtype=torch.int32)
+    args = (1e-3, 0.99, 0.9, 0.999, 1e-8)
+    checked = []
+    schema.check_adam_lists = counting
+    try:
+        with multi_tensor.backends.forced_backend("triton_interp"):
+            plan.clear_cache()
+            for step in range(1, 6):
+                if step == 3:
+                    lists[2][1].data = lists[2][1].data.clone()  # an exp_avg moves
+                if step == 4:
+                    lists[0] = [g.clone() for g in lists[0]]  # new grads
+                before = len(calls)
+                ops.multi_tensor_fused_ema_adamw(64, noop, lists, *args, step, 1, True, 0.01)
+                checked.append(len(calls) - before)
+                with multi_tensor.backends.forced_backend("reference"):
+                    ops.multi_tensor_fused_ema_adamw(64, noop, want, *args, step, 1, True, 0.01)
+                assert_lists_equal(lists, want, f"op path call {step}")
+            assert checked == [1, 0, 1, 1, 0], f"the calls that checked their lists: {checked}"
+            bad = [list(ts) for ts in lists]
+            bad[0][2] = bad[0][2].to(F64)
+            try:
+                ops.multi_tensor_fused_ema_adamw(64, noop, bad, *args, 6, 1, True, 0.01)
+            except (TypeError, ValueError):
+                pass
+            else:
+                raise AssertionError("an fp64 grad in an fp32 bucket was not refused")
+    finally:
+        schema.check_adam_lists = orig
+        plan.clear_cache()
+
+
 @case("grad-norm-table-kept-while-grads-stay")
 def _grad_norm_kept():
     """AdamBucket.grad_norm keeps its l2norm table while the grads stay where they are, makes
