@@ -437,8 +437,9 @@ class AdamBucket:
 
         ``step``: a float32 or float64 scalar tensor on the bucket's device holding the number
         of updates done (float64 counts exactly past 2**24; the optimizers keep a float64
-        counter and present a float32 copy as ``state["step"]``); it is advanced by one unless ``noop_flag`` (e.g. GradScaler's ``found_inf``) is
-        nonzero, in which case nothing changes. ``hyper``: the step-independent
+        counter and present a float32 copy as ``state["step"]``); it is advanced by one unless
+        ``noop_flag`` (e.g. GradScaler's ``found_inf``) is nonzero, in which case nothing
+        changes. ``hyper``: the step-independent
         hyperparameters (the host rewrites the device copy only when they change). ``lr``: an
         optional device tensor read at run time instead of ``hyper.lr`` (capturable lr).
         """
