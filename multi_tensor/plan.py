@@ -82,7 +82,7 @@ def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, onc
     (:func:`multi_tensor.schema.check_adam_lists`) still hold then, so a caller may skip them.
     Only buckets that can tell (``bind_unchanged``: the Triton backend's) are found here."""
     params = lists.params
-    if not params:
+    if not params or not isinstance(params[0], torch.Tensor):  # (not checked yet)
         return None
     from .backends import registry
     try:
