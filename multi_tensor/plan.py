@@ -61,7 +61,10 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
         bucket = _cache.get(key)
         if bucket is not None:
             _cache.move_to_end(key)
-    if bucket is None or not bucket.bind(lists.grads):
+    # (a cached bucket's every state tensor must still be where it was bound: the caller's
+    # lists are new each call, and bind itself checks the state only when the grads move)
+    if (bucket is None or (hasattr(bucket, "state_moved") and bucket.state_moved())
+            or not bucket.bind(lists.grads)):
         bucket = backend.prepare_bucket(spec.name, lists.state(), chunk_size, once)
         if not bucket.bind(lists.grads):
             raise RuntimeError(f"{backend.name}: {spec.name}: lists that passed the op check "
@@ -76,9 +79,9 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
 
 def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True):
     """The cached prepared bucket of ``lists`` when it was made from exactly these tensors and
-    they are unchanged (the same grad objects at the same addresses, the state tensors at the
-    addresses the bucket bound; the bucket keeps their storage alive, so an equal address is
-    the same storage), bound to the grads; else None. The checks that made it
+    they are unchanged (the same grad objects at the same addresses, the params and state
+    tensors at the addresses the bucket bound; the bucket keeps the storage it bound alive, so an equal
+    address is the same storage), bound to the grads; else None. The checks that made it
     (:func:`multi_tensor.schema.check_adam_lists`) still hold then, so a caller may skip them.
     Only buckets that can tell (``bind_unchanged``: the Triton backend's) are found here."""
     params = lists.params

@@ -8,7 +8,9 @@ everything but the kernels runs as on a GPU; no kernel runs, so the numbers are 
 alone (the tensors' values do not change). Steady state: the same params, grads and lists at
 every call. Rows (median of ``--iters`` calls, in ms):
 
-* ``eager``: ``FusedEmaAdamW.step()`` (fp32, device steps);
+* ``eager``: ``FusedEmaAdamW.step()`` (fp32, device steps), and its bucket's bind, of which the
+  check that the params and state tensors are still at the addresses bound (one ``data_ptr``
+  per tensor: 4 per param here);
 * ``eager moved grads``: the same with new grad tensors at every step (the grads' row of the
   table rewritten: the ``_bind_slow`` path);
 * ``clipped``: ``step()`` with ``max_grad_norm`` (the norm from the bucket's kept table, one host
@@ -100,6 +102,10 @@ def main(argv=None) -> int:
 
         params, opt = optimizer()
         rows.append(("eager", timed(opt.step, args.iters)))
+        eager = next(iter(opt._plans.values())).buckets[0].prepared
+        rows.append(("  of which: bind (grads + state addresses)",
+                     timed(lambda: eager.bind(eager._g_objs), args.iters)))
+        rows.append(("  of which: params/state addresses", timed(eager.state_moved, args.iters)))
         grads = [[torch.randn(p.shape) for p in params] for _ in range(2)]
 
         def moved():

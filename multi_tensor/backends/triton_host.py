@@ -137,10 +137,11 @@ class AdamBucket:
 
     ``bind(grads)`` checks the grads cheaply (same objects and addresses as last time: one pass
     over ``data_ptr``; else count, dtype, shape, device, layout) and rewrites the grads' row of
-    the pointer table only when an address changed. It also checks that the params and state
-    tensors bound at ``prepare`` still have the addresses the table holds (``p.data = new``,
-    ``state.data = new`` move them): if not it refuses, and the caller prepares a new bucket
-    (the optimizers re-plan), so the kernel never writes to storage the tensors left.
+    the pointer table only when an address changed. It also checks that the params (at every
+    bind) and the state tensors (when the grads are bound afresh: :meth:`state_moved`) still
+    have the addresses the table holds (``p.data = new``, ``state.data = new`` move them): if
+    not it refuses, and the caller prepares a new bucket (the optimizers re-plan). The bucket
+    keeps the storage it bound alive, so the kernel never writes to freed memory.
     ``run`` launches one kernel.
 
     CUDA graphs: a launch made while the current stream is capturing marks the bucket captured
@@ -297,16 +298,24 @@ class AdamBucket:
             if t is not None:
                 t.record_stream(stream)
 
-    def state_moved(self) -> bool:
-        """Whether a param or state tensor no longer has the address the table holds."""
+    def state_moved(self, full: bool = True) -> bool:
+        """Whether a param (``full``: or a state tensor) no longer has the address the table
+        holds. The params are checked at every bind (one ``data_ptr`` each, as the grads); the
+        state tensors (which the optimizer owns) when the grads are bound afresh, since one
+        ``data_ptr`` per state tensor at every step would cost several times the whole bind.
+        A state tensor moved in between is updated at the storage it left, which the bucket
+        keeps alive (no write to freed memory), until that check sees it."""
+        objs = self._s_objs if full else self._s_objs[:self.n]
         try:
-            return list(map(torch.Tensor.data_ptr, self._s_objs)) != self._s_ptrs
+            return list(map(torch.Tensor.data_ptr, objs)) != (
+                self._s_ptrs if full else self._s_ptrs[:self.n])
         except (TypeError, RuntimeError):
             return True
 
     def bind_unchanged(self, grads) -> bool:
         """``bind`` for the grads last bound, unchanged (the same objects at the same
-        addresses) with the state unmoved; False (nothing bound) otherwise."""
+        addresses) with the params and every state tensor unmoved; False (nothing bound)
+        otherwise. (For callers that skip the list checks on True: it checks all the state.)"""
         self._grads = None
         objs = self._g_objs
         if (objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs))
@@ -327,7 +336,7 @@ class AdamBucket:
         if not self.n:
             self._grads = []
             return True
-        if self.state_moved():
+        if self.state_moved(full=False):
             return False
         objs = self._g_objs
         if objs is not None and all(map(operator.is_, grads, objs)):
@@ -341,6 +350,8 @@ class AdamBucket:
         return self._bind_slow(list(grads))
 
     def _bind_slow(self, grads) -> bool:
+        if self.state_moved():
+            return False
         g0 = grads[0]
         if g0 is None or not isinstance(g0, torch.Tensor):
             return False
