@@ -217,7 +217,7 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
                     for bucket in self._bound_buckets(group)]
             skip, skip_flag = self._overflow(found_inf, work)
             if not skip:
-                skip, grad_scale = self._unscale_factor(work)
+                skip, grad_scale, skip_flag = self._unscale_factor(work, skip_flag)
             if skip:
                 for _, bucket in work:
                     bucket.grads = None

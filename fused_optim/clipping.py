@@ -49,36 +49,55 @@ class ClippingMixin:
             return False, found_inf
         return bool(found_inf.item() != 0), None
 
-    def _unscale_factor(self, work) -> tuple:
-        """``(skip, grad scale)``: the scale the kernels divide the grads by is GradScaler's,
-        with the clip factor folded in when clipping (``scale / clip`` in double, rounded once
-        to fp32); a non-finite grad norm skips the step."""
+    def _unscale_factor(self, work, skip_flag: Optional[torch.Tensor] = None) -> tuple:
+        """``(skip, grad scale, skip flag)``: the scale the kernels divide the grads by is
+        GradScaler's, with the clip factor folded in when clipping (``scale / clip`` in double,
+        rounded once to fp32); a non-finite grad norm skips the step.
+
+        When every bucket keeps its steps on the device and a group is capturable, the skip
+        stays on the device too: the returned skip flag is ``skip_flag`` (GradScaler's
+        ``found_inf``, or None) or'ed with "the norm is not finite", the kernels read it, and
+        nothing is read back to the host (so the clipped step can be captured). Otherwise the
+        norm's finiteness is read on the host (one sync per step)."""
         grad_scale = getattr(self, "grad_scale", None)
         if self.max_grad_norm is None or not work:
-            return False, grad_scale
+            return False, grad_scale, skip_flag
         norm = self._grad_norm(work)
         if grad_scale is not None:
             norm = norm / grad_scale.to(device=norm.device, dtype=torch.float64)
         self.last_grad_norm = norm
-        if not bool(torch.isfinite(norm)):  # one host read per step when clipping
-            return True, None
+        on_device = (all(b.device_steps for _, b in work)
+                     and any(g.get("capturable") for g, _ in work))
+        if on_device:
+            bad = torch.isfinite(norm).logical_not()
+            if skip_flag is not None:
+                bad = bad.logical_or(skip_flag.to(device=norm.device) != 0)
+            skip_flag = bad.to(torch.int32).reshape(1)
+        elif not bool(torch.isfinite(norm)):  # one host read per step when clipping
+            return True, None, skip_flag
+        # (a non-finite norm gives a NaN factor here: only on the device path, which skips)
         clip = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         scale = 1.0 if grad_scale is None else grad_scale.to(device=norm.device,
                                                                dtype=torch.float64)
-        return False, (scale / clip).to(torch.float32)
+        return False, (scale / clip).to(torch.float32), skip_flag
 
     def _grad_norm(self, work) -> torch.Tensor:
         """The global L2 norm of the bound grads (as they are, scaled or not), in fp64: one
-        multi-tensor l2norm launch per bucket."""
+        multi-tensor l2norm launch per bucket, from the bucket's own norm tables where its
+        backend keeps them (the Triton buckets: ``grad_norm``), else by the l2norm op."""
         squares = []
         for _, bucket in work:
-            backend = registry.backend_for(
-                "l2norm", bucket.device,
-                tensor_subclasses=validation.storageless([bucket.grads], ("grads",)) is not None)
             # a flag of its own: l2norm sets it on a non-finite grad, and the step's noop flag
             # must stay clear
             flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
-            total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
+            own = getattr(bucket.active, "grad_norm", None)
+            total = None if own is None else own(flag)
+            if total is None:
+                backend = registry.backend_for(
+                    "l2norm", bucket.device,
+                    tensor_subclasses=validation.storageless([bucket.grads],
+                                                             ("grads",)) is not None)
+                total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
             square = total.to(dtype=torch.float64).square()
             if bucket.layout is not None:
                 square = _sum_over_shards(square, bucket.layout)

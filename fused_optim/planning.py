@@ -30,6 +30,7 @@ tensor.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -45,14 +46,18 @@ class _Bucket:
 
     ``device_steps``: the backend keeps the step counter on the device and computes the step's
     scalars there (``prepared.run_device_step``), reading GradScaler's ``found_inf`` there too,
-    so a step needs no host sync; the host's ``step`` then counts the steps attempted.
+    so a step needs no host sync; the host's ``step`` then counts the steps attempted. The
+    device counter is float64 (``device_step``: exact to 2**53; float32 stops counting at
+    2**24), and ``step_tensor``, the float32 ``state["step"]`` that torch's optimizers present,
+    is a copy of it made on the device after each step.
 
     ``ema_free``: with ``ema_update_every = k > 1``, the bucket's lists without the EMA bound to
     the op without it, which runs the steps that do not update the EMA
     (:func:`fused_optim.ema_schedules.updates_at`), so those steps move no EMA bytes.
     """
 
-    __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device", "complex",
+    __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device_step", "device",
+                 "complex",
                  "device_steps", "grads", "ema_free", "every", "active", "layout",
                  "local_params")
 
@@ -70,10 +75,17 @@ class _Bucket:
         self.device_steps = device_steps
         self.step_tensor = torch.full((), float(step), dtype=torch.float32,
                                       device=self.device if device_steps else "cpu")
+        self.device_step = (torch.full((), float(step), dtype=torch.float64, device=self.device)
+                            if device_steps else None)
         self.grads: Optional[List[torch.Tensor]] = None
         self.ema_free = ema_free
         self.every = every
         self.active = prepared        # what this step runs: prepared, or ema_free
+
+    def exact_step(self) -> int:
+        """The number of updates done (the device counter's, which skipped steps do not
+        advance, or the host's); reads the device."""
+        return int(self.device_step.item()) if self.device_step is not None else self.step
 
     def bind(self, grads: List[Optional[torch.Tensor]]) -> bool:
         """Take this step's grads (real views for complex params) if they fit the bucket."""
@@ -112,7 +124,8 @@ class _Bucket:
         scale = None if grad_scale is None else grad_scale.to(self.device)
         if self.device_steps:
             flag = noop_flag if skip_flag is None else skip_flag.to(self.device)
-            self.active.run_device_step(self.step_tensor, hyper, flag, scale, lr=lr)
+            self.active.run_device_step(self.device_step, hyper, flag, scale, lr=lr)
+            self.step_tensor.copy_(self.device_step)
             self.step += 1
         else:
             self.active.run(noop_flag, rules.step_scalars(hyper, self.step + 1), scale, False)
@@ -258,7 +271,23 @@ class PlanningMixin:
         step = self.state[p].get("step")
         if step is None:
             return 0
-        return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+        if not isinstance(step, torch.Tensor):
+            return int(step)
+        # a bucket's float32 step is a rounded copy of its exact count (float32 is exact only
+        # to 2**24): a new plan continues from the count, unless the tensor was written since
+        bucket = self._step_owners().get(step)
+        if bucket is not None:
+            value = bucket.exact_step()
+            if float(torch.tensor(float(value), dtype=torch.float32)) == float(step.item()):
+                return value
+        return int(step.item())
+
+    def _step_owners(self) -> "weakref.WeakKeyDictionary":
+        """``state["step"]`` tensor -> the bucket whose count it presents."""
+        table = self.__dict__.get("_step_owner_of")
+        if table is None:
+            table = self.__dict__["_step_owner_of"] = weakref.WeakKeyDictionary()
+        return table
 
     def _build_buckets(self, group: Dict[str, Any], present: tuple, grads) -> List[_Bucket]:
         """:meth:`_checked_buckets`, changing no state when it raises.
@@ -361,6 +390,7 @@ class PlanningMixin:
                              ema_free=prepared[-1], every=bound[-1][0], layout=layout)
             for p in bucket_params:
                 self.state[p]["step"] = bucket.step_tensor
+            self._step_owners()[bucket.step_tensor] = bucket
             buckets.append(bucket)
         return buckets
 

@@ -59,7 +59,10 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
                                      ema_decay=ema_decay, weight_decay=weight_decay)
     step = validation.check_step(op, step)
     lists = named_lists(spec, tensor_lists)
-    schema.check_adam_lists(spec, lists)
+    # a loop that calls the op on the same tensors each step: checked when its bucket was made
+    cached = plan.unchanged(spec, lists, chunk_size)
+    if cached is None:
+        schema.check_adam_lists(spec, lists)
     # the flag and the scale on the tensors' device (grad_scale may also be on the CPU); tensors
     # without real storage run on the reference, which reads both on the host
     refs = lists.params
@@ -77,7 +80,7 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
     # param that requires grad is updated like any other tensor, on every backend)
     with torch.no_grad():
         plan.run_adam(spec, lists, hyper, step, noop_flag, grad_scale, check_finite, chunk_size,
-                      checked=True)
+                      checked=True, bucket=cached)
 
 
 def _mode(op: str, mode) -> bool:

@@ -61,7 +61,10 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
         bucket = _cache.get(key)
         if bucket is not None:
             _cache.move_to_end(key)
-    if bucket is None or not bucket.bind(lists.grads):
+    # (a cached bucket's every state tensor must still be where it was bound: the caller's
+    # lists are new each call, and bind itself checks the state only when the grads move)
+    if (bucket is None or (hasattr(bucket, "state_moved") and bucket.state_moved())
+            or not bucket.bind(lists.grads)):
         bucket = backend.prepare_bucket(spec.name, lists.state(), chunk_size, once)
         if not bucket.bind(lists.grads):
             raise RuntimeError(f"{backend.name}: {spec.name}: lists that passed the op check "
@@ -74,6 +77,31 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
     return bucket
 
 
+def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True):
+    """The cached prepared bucket of ``lists`` when it was made from exactly these tensors and
+    they are unchanged (the same grad objects at the same addresses, the params and state
+    tensors at the addresses the bucket bound; the bucket keeps the storage it bound alive, so an equal
+    address is the same storage), bound to the grads; else None. The checks that made it
+    (:func:`multi_tensor.schema.check_adam_lists`) still hold then, so a caller may skip them.
+    Only buckets that can tell (``bind_unchanged``: the Triton backend's) are found here."""
+    params = lists.params
+    if not params or not isinstance(params[0], torch.Tensor):  # (not checked yet)
+        return None
+    from .backends import registry
+    try:
+        backend = registry.backend_for(spec.name, params[0].device)
+    except NotImplementedError:
+        return None
+    key = (backend.name,) + _key(spec, lists, chunk_size, once)
+    with _cache_lock:
+        bucket = _cache.get(key)
+        if bucket is not None:
+            _cache.move_to_end(key)
+    if bucket is None or not hasattr(bucket, "bind_unchanged"):
+        return None
+    return bucket if bucket.bind_unchanged(lists.grads) else None
+
+
 def clear_cache() -> None:
     """Drop every cached prepared bucket (and with them the references to their tensors)."""
     with _cache_lock:
@@ -83,10 +111,14 @@ def clear_cache() -> None:
 def run_adam(spec: schema.OpSpec, lists: schema.AdamLists, hyper: rules.AdamHyper, step: int,
              noop_flag: torch.Tensor, grad_scale: Optional[torch.Tensor] = None,
              check_finite: bool = False, chunk_size: int = 2048 * 32,
-             checked: bool = False) -> None:
+             checked: bool = False, bucket=None) -> None:
     """One Adam-family call on one bucket's named lists: checked (unless ``checked``: the caller
     checked them already), its backend resolved, a prepared bucket reused or made, run with
-    the scalars of update number ``step``."""
+    the scalars of update number ``step``. ``bucket``: the bound bucket :func:`unchanged` found
+    for these lists."""
+    if bucket is not None:
+        bucket.run(noop_flag, rules.step_scalars(hyper, step), grad_scale, bool(check_finite))
+        return
     if not checked:
         schema.check_adam_lists(spec, lists)
     if not lists.params:

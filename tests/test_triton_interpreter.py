@@ -572,6 +572,319 @@ for _cls in ("FusedEmaAdamW", "FusedAdamW", "FusedAdam"):
         lambda c=_cls: _optimizer_case(c, "bf16", capturable=True))
 
 
+@case("bind-refuses-moved-param-or-state")
+def _bind_moved():
+    """``p.data = new`` (same shape, new storage): bind refuses at once; ``state.data = new``:
+    bind refuses when the grads are bound afresh (new grad tensors, as after
+    ``zero_grad(set_to_none=True)``); a new bucket then runs on the new storage, and the
+    storage the tensor left is not written."""
+    k = _k()
+    op = "fused_ema_adamw"
+    h = _hyper(op)
+    for li, what in ((1, "param"), (2, "exp_avg"), (4, "ema"), (5, "master")):
+        lists = make_lists(op, "bf16_master", SMALL)
+        want = clone(lists)
+        bucket = k.AdamBucket(op, named_lists(op, lists).state(), 64)
+        zero = torch.zeros(1, dtype=torch.int32)
+        assert bucket.bind(lists[0])
+        bucket.run(zero, rules.step_scalars(h, 1))
+        ref_adam(want, rules.step_scalars(h, 1))
+        moved = lists[li][1]
+        left = moved.data  # the storage the tensor leaves
+        left_bits = bits(left).clone()
+        moved.data = moved.data.clone()  # the same object, new storage
+        if what == "param":
+            assert not bucket.bind(lists[0]), "bound after the param's storage moved"
+        lists[0] = [g.clone() for g in lists[0]]
+        want[0] = [g.clone() for g in want[0]]
+        assert not bucket.bind(lists[0]), f"bound afresh after the {what}'s storage moved"
+        bucket = k.AdamBucket(op, named_lists(op, lists).state(), 64)
+        assert bucket.bind(lists[0])
+        bucket.run(zero, rules.step_scalars(h, 2))
+        ref_adam(want, rules.step_scalars(h, 2))
+        assert_lists_equal(lists, want, f"after the {what} moved")
+        assert same_bits(bits(left), left_bits), f"the storage the {what} left was written"
+        assert not same_bits(moved, left), "nothing was tested: the step changed nothing"
+
+
+@case("optimizer-moved-param-replans")
+def _optimizer_moved():
+    """An optimizer on the triton buckets: after ``p.data = p.data.clone()`` the step updates the
+    new storage (a new plan), bit for bit as the reference does."""
+    import fused_optim
+    _cpu_clone_backend()
+    results = []
+    for backend in ("triton_interp", "reference"):
+        with multi_tensor.backends.forced_backend(backend):
+            gen = torch.Generator().manual_seed(3)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((5,), (40,))]
+            opt = fused_optim.FusedEmaAdamW(params, lr=1e-2, ema_decay=0.9)
+            left = []
+            for step in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                if step == 1:
+                    left.append(params[1].data)
+                    params[1].data = params[1].data.clone()
+                opt.step()
+            results.append((params, opt, left[0]))
+    (pa, oa, la), (pb, ob, lb) = results
+    for x, y in zip(pa, pb):
+        assert same_bits(x.detach(), y.detach()), "params differ after a param moved"
+        for key in oa.state[x]:
+            assert same_bits(torch.as_tensor(oa.state[x][key]), torch.as_tensor(ob.state[y][key]))
+    assert same_bits(la, lb), "the storage the param left was written"
+
+
+@case("capture-then-rebind-gets-a-fresh-table")
+def _capture_rebind():
+    """A bucket marked captured (as a launch under CUDA graph capture marks it) gets a fresh
+    pointer table and scalar buffers on a re-bind to grads at new addresses; the captured ones
+    keep their contents (a replay reads them). Without a capture the table is rewritten in
+    place. Results stay bitwise those of the reference."""
+    k = _k()
+    op = "fused_ema_adamw"
+    h = _hyper(op)
+    lists = make_lists(op, "bf16_master", SHAPES)
+    want = clone(lists)
+    bucket = k.AdamBucket(op, named_lists(op, lists).state(), 2048)
+    zero = torch.zeros(1, dtype=torch.int32)
+    step = torch.tensor(0.0, dtype=F64)
+    grads = [g.clone() for g in lists[0]]
+    s = 0
+    for captured in (False, True, False, True):
+        table, scal, hyp = bucket._table, bucket._scal, bucket._hyp
+        saved = table.clone()
+        grads = [g.clone() for g in grads]  # new addresses
+        assert bucket.bind(grads)
+        if captured:
+            assert bucket._table is not table and bucket._scal is not scal \
+                and bucket._hyp is not hyp, "a captured bucket's buffers were reused on re-bind"
+            assert same_bits(table, saved), "the captured table was rewritten"
+            assert any(t is table for t in bucket._retired), "the captured table was let go"
+            assert not same_bits(bucket._table[0], saved[0]), "the fresh table kept old offsets"
+        else:
+            assert bucket._table is table, "a table not captured was replaced"
+        s += 1
+        bucket.run_device_step(step, h, zero)
+        ref_adam([grads] + want[1:], rules.step_scalars(h, s))
+        assert_lists_equal(lists[1:], want[1:], f"step {s} after a re-bind (captured={captured})")
+        if not captured:
+            bucket.mark_captured()  # the next re-bind follows a capture
+    # the host-scalar path after a capture uses fresh scalars too
+    bucket.mark_captured()
+    scal = bucket._scal
+    assert bucket.bind(grads)
+    s += 1
+    bucket.run(zero, rules.step_scalars(h, s))
+    ref_adam([grads] + want[1:], rules.step_scalars(h, s))
+    assert bucket._scal is not scal
+    assert_lists_equal(lists[1:], want[1:], "host-scalar step after a capture")
+
+
+@case("device-step-float64-past-2^24")
+def _device_step_f64():
+    """A float64 device step counts exactly past 2**24 (float32 does not): the scalars at those
+    steps equal rules.step_scalars bit for bit."""
+    k = _k()
+    h = rules.AdamHyper(lr=1e-3, beta1=0.9, beta2=1 - 1e-9, eps=1e-8, weight_decay=0.1)
+    lists = make_lists("adam", "fp32", ((4,),))
+    bucket = k.AdamBucket("adam", named_lists("adam", lists).state(), 64)
+    for s in (2**24 + 1, 2**24 + 3, 2**25 + 7, 2**31 - 1, 2**31 + 5, 2**32 - 1):
+        step = torch.tensor(float(s - 1), dtype=F64)
+        assert bucket.bind([g.clone() for g in lists[0]])
+        bucket.run_device_step(step, h, torch.zeros(1, dtype=torch.int32))
+        assert float(step) == float(s)
+        assert same_bits(bucket._scal, rules.pack(rules.step_scalars(h, s), F32)), f"step {s}"
+
+
+@case("optimizer-step-exact-past-2^24")
+def _optimizer_big_step():
+    """An optimizer whose steps pass 2**24 (loaded at 2**24 - 1), with a re-plan on the way
+    (a param without a grad for a step): the same bits as the reference's host steps, and
+    ``state["step"]`` a float32 scalar tensor as torch's."""
+    import fused_optim
+    _cpu_clone_backend()
+    results = []
+    for backend in ("triton_interp", "reference"):
+        with multi_tensor.backends.forced_backend(backend):
+            gen = torch.Generator().manual_seed(4)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((6,), (30,))]
+            opt = fused_optim.FusedAdamW(params, lr=1e-2, betas=(0.9, 1 - 1e-9))
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            opt.init_state()
+            sd = opt.state_dict()
+            for entry in sd["state"].values():
+                entry["step"] = torch.tensor(float(2**24 - 1))
+            opt.load_state_dict(sd)
+            for step in range(6):
+                for i, p in enumerate(params):
+                    p.grad = None if (step == 3 and i == 0) else torch.randn(p.shape, generator=gen)
+                opt.step()
+            results.append((params, opt))
+    (pa, oa), (pb, ob) = results
+    for x, y in zip(pa, pb):
+        assert same_bits(x.detach(), y.detach()), "params differ past 2**24 steps"
+        st = oa.state[x]["step"]
+        assert st.dtype == F32 and st.shape == (), st
+        assert float(st) == float(ob.state[y]["step"])
+    counts = sorted(b.exact_step() for plan in oa._plans.values() for b in plan.buckets)
+    assert counts == [2**24 - 1 + 5, 2**24 - 1 + 6], counts  # params[0] missed a step
+
+
+def _clip_case(cls_name: str):
+    """max_grad_norm with capturable=True on the triton buckets: the skip decided on the device
+    (no host read in a steady-state step), the same bits as the host-read path of the same
+    buckets (capturable=False), a step with a non-finite grad skipped by both."""
+    import fused_optim
+    _cpu_clone_backend()
+    results = []
+    for capturable in (True, False):
+        with multi_tensor.backends.forced_backend("triton_interp"):
+            gen = torch.Generator().manual_seed(9)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(BF16))
+                      for s in ((5, 7), (13,), (1,), (5000,))]
+            lr = torch.tensor(1e-2)  # a float32 lr: the host path gets its value
+            kw = dict(lr=lr if capturable else float(lr), weight_decay=0.05,
+                      max_grad_norm=0.5, capturable=capturable)
+            if cls_name == "FusedEmaAdamW":
+                kw.update(ema_decay=0.9)
+            opt = getattr(fused_optim, cls_name)(params, **kw)
+            if capturable:
+                # the clip (norm, factor, skip) with no host read; CPU tensor options are read
+                # on the host by design (a device lr would not be), so only the clip is guarded
+                unscale = opt._unscale_factor
+
+                def guarded(*a, unscale=unscale):
+                    with _no_host_reads():
+                        return unscale(*a)
+                opt._unscale_factor = guarded
+            norms = []
+            for step in range(5):
+                for p in params:
+                    p.grad = (torch.randn(p.shape, generator=gen) * 64.0).to(BF16)
+                if step == 2:
+                    params[3].grad[7] = float("inf")
+                opt.grad_scale = torch.tensor(64.0)
+                # (a CPU found_inf is read on the host by design: a device one would not be)
+                opt.found_inf = torch.tensor(1.0) if step == 4 else None
+                opt.step()
+                norms.append(torch.as_tensor(opt.last_grad_norm).clone())
+            results.append((params, opt, norms))
+    (pa, oa, na), (pb, ob, nb) = results
+    for x, y in zip(pa, pb):
+        assert same_bits(x.detach(), y.detach()), f"{cls_name}: params differ"
+        for key in oa.state[x]:
+            assert same_bits(torch.as_tensor(oa.state[x][key]).to(F32),
+                             torch.as_tensor(ob.state[y][key]).to(F32)), f"{cls_name}: {key}"
+        assert float(oa.state[x]["step"]) == 3.0, "a skipped step advanced the step"
+    for a, b in zip(na[:2], nb[:2]):
+        assert same_bits(a, b)
+
+
+class _no_host_reads:
+    """Refuses reading a tensor's value on the host (item, bool, float, int, tolist)."""
+
+    NAMES = ("item", "__bool__", "__float__", "__int__", "tolist")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def refuse(name):
+            def f(self, *a, **k):
+                raise AssertionError(f"a host read (Tensor.{name}) in a capturable step")
+            return f
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse(n))
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+        return False
+
+
+for _cls in ("FusedEmaAdamW", "FusedAdamW"):
+    case(f"optimizer-{_cls}-capturable-clipping-on-device")(lambda c=_cls: _clip_case(c))
+
+
+@case("op-path-checks-once-per-bucket")
+def _op_path_checks():
+    """The apex op on the same tensors each call: checked when its bucket is made, not again
+    while they are unchanged; a moved grad or state tensor is checked again (and refused when
+    bad), and every call gives the reference's bits."""
+    from multi_tensor import ops, plan
+    _cpu_clone_backend()
+    calls = []
+    orig = schema.check_adam_lists
+
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    lists = make_lists("fused_ema_adamw", "fp32", SMALL)
+    want = clone(lists)
+    noop = torch.zeros(1, dtype=torch.int32)
+    args = (1e-3, 0.99, 0.9, 0.999, 1e-8)
+    checked = []
+    schema.check_adam_lists = counting
+    try:
+        with multi_tensor.backends.forced_backend("triton_interp"):
+            plan.clear_cache()
+            for step in range(1, 6):
+                if step == 3:
+                    lists[2][1].data = lists[2][1].data.clone()  # an exp_avg moves
+                if step == 4:
+                    lists[0] = [g.clone() for g in lists[0]]  # new grads
+                before = len(calls)
+                ops.multi_tensor_fused_ema_adamw(64, noop, lists, *args, step, 1, True, 0.01)
+                checked.append(len(calls) - before)
+                with multi_tensor.backends.forced_backend("reference"):
+                    ops.multi_tensor_fused_ema_adamw(64, noop, want, *args, step, 1, True, 0.01)
+                assert_lists_equal(lists, want, f"op path call {step}")
+            assert checked == [1, 0, 1, 1, 0], f"the calls that checked their lists: {checked}"
+            bad = [list(ts) for ts in lists]
+            bad[0][2] = bad[0][2].to(F64)
+            try:
+                ops.multi_tensor_fused_ema_adamw(64, noop, bad, *args, 6, 1, True, 0.01)
+            except (TypeError, ValueError):
+                pass
+            else:
+                raise AssertionError("an fp64 grad in an fp32 bucket was not refused")
+    finally:
+        schema.check_adam_lists = orig
+        plan.clear_cache()
+
+
+@case("grad-norm-table-kept-while-grads-stay")
+def _grad_norm_kept():
+    """AdamBucket.grad_norm keeps its l2norm table while the grads stay where they are, makes
+    a new one when they move, and gives l2norm's bits."""
+    k = _k()
+    from multi_tensor.backends import triton_gpu
+    op = "adam"
+    lists = make_lists(op, "fp32", SHAPES)
+    bucket = k.AdamBucket(op, named_lists(op, lists).state(), 2048)
+    grads = lists[0]
+    for moved in (False, False, True):
+        if moved:
+            grads = [g.clone() * 3 for g in grads]
+        before = bucket._norm
+        assert bucket.bind(grads)
+        flag = torch.zeros(1, dtype=torch.int32)
+        got = bucket.grad_norm(flag)
+        want, _ = triton_gpu.l2norm(64, torch.zeros(1, dtype=torch.int32), [grads], False)
+        assert same_bits(got, want) and int(flag.item()) == 0
+        if before is not None:
+            assert (bucket._norm is before) == (not moved)
+    bad = [g.clone() for g in grads]
+    bad[5][3] = float("nan")
+    assert bucket.bind(bad)
+    flag = torch.zeros(1, dtype=torch.int32)
+    bucket.grad_norm(flag)
+    assert int(flag.item()) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # the subprocess
 

@@ -21,7 +21,8 @@ MULTI_TENSOR_DISABLE_NATIVE=1 when the C++ extension is not built). Sections, ea
    W2 >= 5x.
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` (a table) to ``--out`` (default: $OUT, else
-./gpu_check_out).
+./gpu_check_out), saved after each section and each bench row, and ``bench_rows.jsonl`` (one
+line per bench row, written and fsync'ed as it finishes, so a hard kill loses none of them).
 """
 from __future__ import annotations
 
@@ -357,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-bench", action="store_true")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if os.path.exists(os.path.join(args.out, "bench_rows.jsonl")):
+        os.remove(os.path.join(args.out, "bench_rows.jsonl"))  # rows of this run only
     t_start = time.time()
 
     def left():
@@ -398,8 +401,21 @@ def main(argv=None) -> int:
     section("graph", graph_check)
     section("sync", sync_check)
 
+    rows_path = os.path.join(args.out, "bench_rows.jsonl")
+
+    def row_done(row):
+        """Each bench row reaches the disk as it finishes (a hard kill keeps the rows done):
+        appended to bench_rows.jsonl and saved in gpu_check.json/md as a running section."""
+        with open(rows_path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        save()
+
     def bench():
         out = {"copy": copy_bandwidth(), "workloads": []}
+        sections["bench"] = {"status": "running", "result": out}
+        row_done({"copy": out["copy"]})
         free()
         copy_gbs = out["copy"]["GBps"]
         plan = [("W1", gpt2_small_shapes(), torch.float32, 20, torch_fused_ema, True),
@@ -417,9 +433,11 @@ def main(argv=None) -> int:
                 out["workloads"].append({"workload": name, "error": traceback.format_exc()})
                 free()
             print(f"gpu_check: bench {out['workloads'][-1]}", flush=True)
+            row_done(out["workloads"][-1])
         if left() > 40:
             out["sweep"] = block_sweep(big_bucket_shapes(total=500_000_000),
                                        [(1024, 4), (2048, 8), (4096, 8), (512, 4)])
+            row_done({"sweep": out["sweep"]})
         return out
 
     if not args.skip_bench:

@@ -10,10 +10,17 @@
 # MULTI_TENSOR_DISABLE_NATIVE=1 is set when the C++ CPU extension is not built (it is never
 # compiled here: FUSED_OPTIM_NO_JIT=1). Needs torch with CUDA, triton (3.6: the version the CPU
 # tests pin), pytest and numpy; no network. Writes gpu_check.json, gpu_check.md,
-# pytest.log and pytest.xml to OUT_DIR.
+# pytest.log and pytest.xml to OUT_DIR, and bench_rows.jsonl (one line per bench row as it
+# finishes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
+# the interpreter: $PYTHON, else python3, else python on PATH (gpu_check.py then runs its
+# children with its own sys.executable)
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+if [ -z "$PYTHON" ]; then
+    echo "gpu_check: no python3 or python on PATH; set PYTHON=/path/to/python" >&2
+    exit 2
+fi
 OUT_DIR=${1:-${OUT:-$PWD/gpu_check_out}}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -137,7 +137,24 @@ class AdamBucket:
 
     ``bind(grads)`` checks the grads cheaply (same objects and addresses as last time: one pass
     over ``data_ptr``; else count, dtype, shape, device, layout) and rewrites the grads' row of
-    the pointer table only when an address changed. ``run`` launches one kernel.
+    the pointer table only when an address changed. It also checks that the params (at every
+    bind) and the state tensors (when the grads are bound afresh: :meth:`state_moved`) still
+    have the addresses the table holds (``p.data = new``, ``state.data = new`` move them): if
+    not it refuses, and the caller prepares a new bucket (the optimizers re-plan). The bucket
+    keeps the storage it bound alive, so the kernel never writes to freed memory.
+    ``run`` launches one kernel.
+
+    CUDA graphs: a launch made while the current stream is capturing marks the bucket captured
+    (:meth:`mark_captured`): the graph holds the addresses of its pointer table, scalar buffers
+    and base pointers. A later eager re-bind to grads at new addresses then writes a *fresh*
+    table (and fresh scalar buffers) and keeps the captured ones alive and unchanged, so
+    replaying the graph still reads the grads it was captured with; rewriting the captured table
+    would make the replay read the old grads' base at the new grads' offsets.
+
+    Streams: the persistent buffers (table, scalars, spare flag, staged copies) are written and
+    read on the current stream of each call; when a call runs on a stream other than the one
+    they were made on, they are ``record_stream``-ed on it once, so the caching allocator does
+    not hand their memory out while that stream may still use it.
 
     Layouts: a row whose tensors are dense (contiguous, channels_last, ...) with the param's
     strides runs in place. A tensor that is not dense, or whose strides differ from its param's,
@@ -219,6 +236,19 @@ class AdamBucket:
         self._g_aligned = True
         self._scal = torch.zeros(rules.N_SCALARS, dtype=self.math, device=self.device)
         self._hyp = torch.zeros(rules.N_HYPER, dtype=torch.float64, device=self.device)
+        # the state tensors as bound, and their addresses (bind refuses when one moved)
+        self._s_objs = [t for tensors in self.state_lists for t in tensors]
+        self._s_ptrs = list(map(torch.Tensor.data_ptr, self._s_objs))
+        # their storage as bound, kept alive: no other tensor can take these addresses, so an
+        # equal address in bind is this storage (a moved tensor's old storage is not reused
+        # under the kernel)
+        self._s_keep = [t.detach() for t in self._s_objs]
+        self.captured = False
+        self._norm: Optional[_NormPlan] = None  # the grads' l2norm tables (grad_norm)
+        self._retired: List[torch.Tensor] = []  # buffers a captured graph still reads
+        self._streams = set()  # CUDA streams the buffers are recorded on (beyond their own)
+        self._home = (torch.cuda.current_stream(self.device)
+                      if self.device.type == "cuda" else None)
 
     def _column(self, tensors) -> Tuple[Optional[torch.Tensor], np.ndarray, bool]:
         """A list's base pointer, its row of the table (per chunk) and whether all is aligned."""
@@ -235,6 +265,70 @@ class AdamBucket:
     def _fits(self, t: torch.Tensor, row: int) -> bool:
         return t.numel() <= 1 or (_dense(t) and _layout(t) == self._layouts[row])
 
+    def mark_captured(self) -> None:
+        """The bucket's buffers are read by a captured CUDA graph: never rewrite them."""
+        self.captured = True
+
+    def _fork(self) -> None:
+        """Fresh buffers for a rewrite after a capture; the captured ones stay as they are
+        (and alive: the graph holds their addresses)."""
+        self._retired.extend(t for t in (self._table, self._scal, self._hyp) if t is not None)
+        if self._table is not None:
+            self._table = self._table.clone()
+        self._scal = self._scal.clone()
+        self._hyp = self._hyp.clone()
+        for stream in self._streams:
+            for t in (self._table, self._scal, self._hyp):
+                if t is not None:
+                    t.record_stream(stream)
+        self.captured = False
+
+    def _on_stream(self) -> None:
+        """Record the persistent buffers on the current stream when it is not their own."""
+        if self._home is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if stream == self._home or stream in self._streams:
+            return
+        self._streams.add(stream)
+        bufs = [self._table, self._scal, self._hyp] + self._spare
+        bufs += self._norm.buffers() if self._norm is not None else []
+        bufs += [st.copy for st in self._staged] + [st.copy for st in self._g_staged]
+        for t in bufs:
+            if t is not None:
+                t.record_stream(stream)
+
+    def state_moved(self, full: bool = True) -> bool:
+        """Whether a param (``full``: or a state tensor) no longer has the address the table
+        holds. The params are checked at every bind (one ``data_ptr`` each, as the grads); the
+        state tensors (which the optimizer owns) when the grads are bound afresh, since one
+        ``data_ptr`` per state tensor at every step would cost several times the whole bind.
+        A state tensor moved in between is updated at the storage it left, which the bucket
+        keeps alive (no write to freed memory), until that check sees it."""
+        objs = self._s_objs if full else self._s_objs[:self.n]
+        try:
+            return list(map(torch.Tensor.data_ptr, objs)) != (
+                self._s_ptrs if full else self._s_ptrs[:self.n])
+        except (TypeError, RuntimeError):
+            return True
+
+    def bind_unchanged(self, grads) -> bool:
+        """``bind`` for the grads last bound, unchanged (the same objects at the same
+        addresses) with the params and every state tensor unmoved; False (nothing bound)
+        otherwise. (For callers that skip the list checks on True: it checks all the state.)"""
+        self._grads = None
+        objs = self._g_objs
+        if (objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs))
+                or self.state_moved()):
+            return False
+        try:
+            if list(map(torch.Tensor.data_ptr, grads)) != self._g_ptrs:
+                return False
+        except TypeError:
+            return False
+        self._grads = list(grads)
+        return True
+
     def bind(self, grads) -> bool:
         self._grads = None
         if len(grads) != self.n:
@@ -242,6 +336,8 @@ class AdamBucket:
         if not self.n:
             self._grads = []
             return True
+        if self.state_moved(full=False):
+            return False
         objs = self._g_objs
         if objs is not None and all(map(operator.is_, grads, objs)):
             try:
@@ -254,6 +350,8 @@ class AdamBucket:
         return self._bind_slow(list(grads))
 
     def _bind_slow(self, grads) -> bool:
+        if self.state_moved():
+            return False
         g0 = grads[0]
         if g0 is None or not isinstance(g0, torch.Tensor):
             return False
@@ -285,8 +383,17 @@ class AdamBucket:
         self._g_stage_rows = stage_rows
         self._g_staged = list(stage_rows.values())
         base, col, aligned = self._column(eff)
+        # the norm table holds the grads' offsets from their first one, as the grads' row does
+        if self._norm is not None and (self._g_col is None or dtype != self._g_dtype
+                                       or not np.array_equal(col, self._g_col)):
+            if self.captured:
+                self._retired.extend(self._norm.buffers())
+            self._norm = None
         if self.n_chunks and (self._g_col is None or not np.array_equal(col, self._g_col)):
-            # new addresses (not just new tensor objects): rewrite the grads' row only
+            # new addresses (not just new tensor objects): rewrite the grads' row only (of a
+            # fresh table when a captured graph reads this one)
+            if self.captured:
+                self._fork()
             to_device(torch.from_numpy(np.ascontiguousarray(col)), self._table[0], device,
                       "grads' row of the pointer table")
             self._g_col = col
@@ -298,6 +405,27 @@ class AdamBucket:
         self._grads = list(grads)
         return True
 
+    def grad_norm(self, flag: torch.Tensor) -> Optional[torch.Tensor]:
+        """The bound grads' global L2 norm (fp32 device tensor, as :func:`l2norm`'s total; sets
+        ``flag`` on a non-finite grad), from a norm table kept while the grads stay where they
+        are: a clipped step rebuilds nothing, and the launches can be captured. None when some
+        grad runs on a staged copy (the caller uses :func:`l2norm`)."""
+        grads = self._grads
+        if grads is None:
+            raise RuntimeError("multi_tensor triton: grad_norm() without a successful bind()")
+        if self._g_staged or not self.n:
+            return None
+        if self._norm is None:
+            self._norm = _NormPlan(grads, self.device)
+            for stream in self._streams:
+                for t in self._norm.buffers():
+                    t.record_stream(stream)
+        else:
+            self._on_stream()
+        if _capturing(self.device):
+            self.mark_captured()
+        return self._norm.run(grads, flag, False)[0]
+
     # --- run -----------------------------------------------------------------------------------
     def run(self, noop_flag, scalars: rules.StepScalars, grad_scale=None,
             check_finite: bool = False) -> None:
@@ -307,6 +435,9 @@ class AdamBucket:
             raise RuntimeError("multi_tensor triton: run() without a successful bind()")
         if not self.n_chunks:
             return
+        self._on_stream()
+        if self.captured:
+            self._fork()
         to_device(rules.pack(scalars, self.math), self._scal, self.device, "scalars")
         self._hyper = None  # a later device step rewrites its step-independent scalars
         self._launch(_flag(noop_flag, self.device, self._spare), grad_scale, check_finite)
@@ -315,20 +446,27 @@ class AdamBucket:
                         grad_scale=None, lr: Optional[torch.Tensor] = None) -> None:
         """One update whose step and scalars live on the device (sync-free, graph-capturable).
 
-        ``step``: a float32 scalar tensor on the bucket's device holding the number of updates
-        done; it is advanced by one unless ``noop_flag`` (e.g. GradScaler's ``found_inf``) is
-        nonzero, in which case nothing changes. ``hyper``: the step-independent
+        ``step``: a float32 or float64 scalar tensor on the bucket's device holding the number
+        of updates done (float64 counts exactly past 2**24; the optimizers keep a float64
+        counter and present a float32 copy as ``state["step"]``); it is advanced by one unless
+        ``noop_flag`` (e.g. GradScaler's ``found_inf``) is nonzero, in which case nothing
+        changes. ``hyper``: the step-independent
         hyperparameters (the host rewrites the device copy only when they change). ``lr``: an
         optional device tensor read at run time instead of ``hyper.lr`` (capturable lr).
         """
         grads, self._grads = self._grads, None
         if grads is None:
             raise RuntimeError("multi_tensor triton: run_device_step() without a successful bind()")
+        self._on_stream()
         key = (hyper, lr is not None)
         if key != self._hyper:
+            if self.captured:
+                self._fork()
             self._write_hyper(hyper)
             self._hyper = key
         flag = _flag(noop_flag, self.device, self._spare)
+        if _capturing(self.device):
+            self.mark_captured()
         _launch(_step_scalars_kernel, (1,), self.device, self._hyp, step, flag,
                 lr if lr is not None else self._hyp, self._scal, LR_TENSOR=lr is not None,
                 NBITS=STEP_BITS, num_warps=1)
@@ -342,6 +480,8 @@ class AdamBucket:
         to_device(rules.pack(rules.device_hyper(h)), self._hyp, self.device, "hyperparameters")
 
     def _launch(self, flag: torch.Tensor, grad_scale, check_finite: bool) -> None:
+        if _capturing(self.device):
+            self.mark_captured()
         for st in self._staged:
             st.copy.copy_(st.orig)
         for st in self._g_staged:
@@ -413,6 +553,68 @@ def scale(chunk_size, noop_flag, tensor_lists, scale_factor) -> bool:
 # ---------------------------------------------------------------------------------------------
 # l2norm
 
+class _NormPlan:
+    """The tables of one l2norm over a list of tensors (their dtypes, sizes and addresses):
+    fixed NORM_BLOCK blocks per tensor, grouped by dtype, each group read from its first
+    tensor's base. Built once and reused while the tensors stay where they are (a prepared
+    bucket's grads), so a clipped step rebuilds nothing and the launches can be captured."""
+
+    __slots__ = ("device", "n", "n_blocks", "groups", "rows_t", "first", "counts")
+
+    def __init__(self, tensors, device: torch.device):
+        self.device = device
+        n = self.n = len(tensors)
+        counts = [(t.numel() + NORM_BLOCK - 1) // NORM_BLOCK for t in tensors]
+        self.counts = counts
+        self.first = first = (np.cumsum([0] + counts[:-1]).astype(np.int64) if n
+                              else np.zeros(0, np.int64))
+        self.n_blocks = int(sum(counts))
+        by_dtype = {}
+        for i, t in enumerate(tensors):
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append((i, t))
+        self.groups = []  # (dtype, the index of the group's base tensor, table, launches)
+        for dtype, items in by_dtype.items():
+            numels = [t.numel() for _, t in items]
+            rows, starts, _ = _chunks(numels, NORM_BLOCK)
+            ptrs = np.asarray([t.data_ptr() for _, t in items], dtype=np.int64)
+            t0 = items[0][1]
+            out = (first[np.asarray([i for i, _ in items], dtype=np.int64)][rows]
+                   + starts // NORM_BLOCK)
+            host = np.stack([_deltas(ptrs, t0.data_ptr(), t0.element_size())[rows],
+                             np.asarray(numels, dtype=np.int64)[rows], starts, out])
+            table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device,
+                              "l2norm table")
+            self.groups.append((dtype, items[0][0], table, len(rows)))
+        self.rows_t = None
+        if n:
+            rows_host = np.stack([first, np.asarray(counts, dtype=np.int64)])
+            self.rows_t = to_device(torch.from_numpy(np.ascontiguousarray(rows_host)), None,
+                                    device, "l2norm table")
+
+    def buffers(self) -> list:
+        return [g[2] for g in self.groups] + ([self.rows_t] if self.rows_t is not None else [])
+
+    def run(self, tensors, flag: torch.Tensor, per_tensor: bool):
+        """(total, per-tensor norms) of ``tensors`` (those the plan was built on, or tensors of
+        the same dtypes and sizes at the same relative addresses)."""
+        device, n = self.device, self.n
+        partial = torch.zeros(max(self.n_blocks, 1), dtype=torch.float64, device=device)
+        for dtype, i0, table, n_rows in self.groups:
+            _launch(_sumsq_kernel, (n_rows,), device, table, n_rows, _base_view(tensors[i0]),
+                    partial, flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK, BLOCK=BLOCK)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        per32 = torch.zeros(n, dtype=torch.float32, device=device)
+        if n:
+            per64 = torch.empty(n, dtype=torch.float64, device=device)
+            _launch(_rowsum_kernel, (n,), device, partial, self.rows_t, n, per64, per32,
+                    RB=NORM_RBLOCK)
+            _launch(_total_kernel, (1,), device, per64, n, total, RB=NORM_RBLOCK)
+        if not per_tensor:
+            per32 = torch.zeros(0, dtype=torch.float32, device=device)
+        return total, per32
+
+
 def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     """multi_tensor_l2norm: (total, per-tensor norms) as fp32 device tensors, or None for
     dtypes the kernel does not handle. Fixed NORM_BLOCK blocks (independent of chunk_size),
@@ -422,37 +624,6 @@ def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     device = tensors[0].device if tensors else noop_flag.device
     if any(t.dtype not in DTYPE_CODE for t in tensors):
         return None
-    n = len(tensors)
     flag = _flag(noop_flag, device, [])
-    counts = [(t.numel() + NORM_BLOCK - 1) // NORM_BLOCK for t in tensors]
-    first = np.cumsum([0] + counts[:-1]).astype(np.int64) if n else np.zeros(0, np.int64)
-    n_blocks = int(sum(counts))
-    partial = torch.zeros(max(n_blocks, 1), dtype=torch.float64, device=device)
-    groups = {}
-    for i, t in enumerate(tensors):
-        if t.numel():
-            groups.setdefault(t.dtype, []).append((i, t if _dense(t) else t.contiguous()))
-    for dtype, items in groups.items():
-        numels = [t.numel() for _, t in items]
-        rows, starts, _ = _chunks(numels, NORM_BLOCK)
-        ptrs = np.asarray([t.data_ptr() for _, t in items], dtype=np.int64)
-        t0 = items[0][1]
-        out = first[np.asarray([i for i, _ in items], dtype=np.int64)][rows] + starts // NORM_BLOCK
-        host = np.stack([_deltas(ptrs, t0.data_ptr(), t0.element_size())[rows],
-                         np.asarray(numels, dtype=np.int64)[rows], starts, out])
-        table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device)
-        _launch(_sumsq_kernel, (len(rows),), device, table, len(rows), _base_view(t0), partial,
-                flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK, BLOCK=BLOCK)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    per32 = torch.zeros(n, dtype=torch.float32, device=device)
-    if n:
-        rows_host = np.stack([first, np.asarray(counts, dtype=np.int64)])
-        rows_t = to_device(torch.from_numpy(np.ascontiguousarray(rows_host)), None, device)
-        per64 = torch.empty(n, dtype=torch.float64, device=device)
-        _launch(_rowsum_kernel, (n,), device, partial, rows_t, n, per64, per32, RB=NORM_RBLOCK)
-        _launch(_total_kernel, (1,), device, per64, n, total, RB=NORM_RBLOCK)
-    if not per_tensor:
-        per32 = torch.zeros(0, dtype=torch.float32, device=device)
-    return total, per32
-
-
+    tensors = [t if not t.numel() or _dense(t) else t.contiguous() for t in tensors]
+    return _NormPlan(tensors, device).run(tensors, flag, per_tensor)

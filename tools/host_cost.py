@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""The Triton backend's host cost per step, measured on the CPU with the launches stubbed.
+
+What a GPU step costs the host beyond its kernels: checks, binds, table upkeep, scalar writes,
+the clip's small tensor ops. The Triton backend is registered for CPU tensors (as
+``tests/test_triton_interpreter.py`` does) and its launch function is replaced by a no-op, so
+everything but the kernels runs as on a GPU; no kernel runs, so the numbers are the host's
+alone (the tensors' values do not change). Steady state: the same params, grads and lists at
+every call. Rows (median of ``--iters`` calls, in ms):
+
+* ``eager``: ``FusedEmaAdamW.step()`` (fp32, device steps), and its bucket's bind, of which the
+  check that the params are still at the addresses bound (one ``data_ptr`` each); and, for
+  comparison, the check of every state tensor's address (4 per param here), which a bind
+  makes only when the grads move, and the op path at every call;
+* ``eager moved grads``: the same with new grad tensors at every step (the grads' row of the
+  table rewritten: the ``_bind_slow`` path);
+* ``clipped``: ``step()`` with ``max_grad_norm`` (the norm from the bucket's kept table, one host
+  read of its finiteness);
+* ``clipped capturable``: the same with ``capturable=True`` (the skip decided on the device);
+* ``op path``: ``multi_tensor.ops.multi_tensor_fused_ema_adamw`` on the same lists each call (the
+  prepared bucket from :mod:`multi_tensor.plan`'s cache, the list checks skipped while its
+  tensors are unchanged: :func:`multi_tensor.plan.unchanged`), and for comparison the list
+  checks it skips (``schema.check_adam_lists``), the cached bucket's lookup and bind.
+
+Targets (issue 15): eager and op path <= 1 ms, clipped <= 1.5 ms, for 3000 tensors.
+
+    python tools/host_cost.py [--tensors 3000] [--iters 50]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # no launch runs; lets triton load without a GPU
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+TARGETS = {"eager": 1.0, "op path": 1.0, "clipped": 1.5, "clipped capturable": 1.5}
+
+
+def shapes(count: int, seed: int = 1234):
+    gen = torch.Generator().manual_seed(seed)
+    return [(int(n),) for n in torch.randint(64, 1025, (count,), generator=gen)]
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def stub_backend():
+    """The triton backend on CPU tensors with every launch a no-op."""
+    from multi_tensor import schema
+    from multi_tensor.backends import registry, triton_gpu
+    k = triton_gpu.kernels()
+    if k is None:
+        raise SystemExit(f"host_cost: the triton backend did not load: {triton_gpu.load_error}")
+    k._launch = lambda *a, **kw: None
+    registry.register_backend(registry.Backend(
+        name="triton_host_cost", device_types=("cpu",), priority=1000,
+        ops={"scale": triton_gpu.scale, "l2norm": triton_gpu.l2norm},
+        prepare=triton_gpu.prepare, adam_ops=schema.ADAM_OPS,
+        description="the triton backend on CPU tensors, launches stubbed (tools/host_cost.py)"))
+    return "triton_host_cost"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensors", type=int, default=3000)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    import fused_optim
+    import multi_tensor
+    from multi_tensor import ops, schema
+    from multi_tensor.ops import named_lists
+
+    name = stub_backend()
+    sh = shapes(args.tensors)
+    rows = []
+    with multi_tensor.backends.forced_backend(name):
+        def optimizer(**kw):
+            params = [torch.nn.Parameter(torch.randn(s)) for s in sh]
+            for p in params:
+                p.grad = torch.randn(p.shape)
+            opt = fused_optim.FusedEmaAdamW(params, **{"lr": 1e-3, "ema_decay": 0.999, **kw})
+            opt.step()
+            kinds = {type(b.prepared).__name__ for plan in opt._plans.values()
+                     for b in plan.buckets}
+            assert kinds == {"AdamBucket"}, kinds
+            return params, opt
+
+        params, opt = optimizer()
+        rows.append(("eager", timed(opt.step, args.iters)))
+        eager = next(iter(opt._plans.values())).buckets[0].prepared
+        rows.append(("  of which: bind (grads, params' addresses)",
+                     timed(lambda: eager.bind(eager._g_objs), args.iters)))
+        rows.append(("  of which: params' addresses",
+                     timed(lambda: eager.state_moved(full=False), args.iters)))
+        rows.append(("  (not per step: every state address)",
+                     timed(eager.state_moved, args.iters)))
+        grads = [[torch.randn(p.shape) for p in params] for _ in range(2)]
+
+        def moved():
+            for p, g in zip(params, grads[moved.i % 2]):
+                p.grad = g
+            moved.i += 1
+            opt.step()
+        moved.i = 0
+        rows.append(("eager moved grads", timed(moved, max(5, args.iters // 5))))
+        _, opt = optimizer(max_grad_norm=1.0)
+        rows.append(("clipped", timed(opt.step, args.iters)))
+        _, opt = optimizer(max_grad_norm=1.0, capturable=True, lr=torch.tensor(1e-3))
+        rows.append(("clipped capturable", timed(opt.step, args.iters)))
+
+        lists = [[torch.randn(s) for s in sh] for _ in range(5)]
+        noop = torch.zeros(1, dtype=torch.int32)
+
+        def op_call():
+            ops.multi_tensor_fused_ema_adamw(2048 * 32, noop, lists, 1e-3, 0.999, 0.9, 0.999,
+                                             1e-8, 1, 1, True, 0.01)
+        rows.append(("op path", timed(op_call, args.iters)))
+        spec = schema.OPS["fused_ema_adamw"]
+        named = named_lists("fused_ema_adamw", lists)
+        rows.append(("  of which: check_adam_lists",
+                     timed(lambda: schema.check_adam_lists(spec, named), args.iters)))
+        from multi_tensor import plan
+        backend = schema.backend_for_lists(spec, named.present())
+        bucket = plan.prepared(spec, named, backend, 2048 * 32)
+        rows.append(("  of which: cached bucket lookup + bind",
+                     timed(lambda: plan.prepared(spec, named, backend, 2048 * 32), args.iters)))
+        rows.append(("  of which: bind alone", timed(lambda: bucket.bind(named.grads),
+                                                     args.iters)))
+
+    print(f"host cost per call, {args.tensors} fp32 tensors, CPU, launches stubbed "
+          f"(median of {args.iters}; torch {torch.__version__})")
+    print(f"| {'row':40s} | {'ms':>7s} | {'target':>6s} |")
+    print(f"|{'-' * 42}|{'-' * 9}|{'-' * 8}|")
+    for row, ms in rows:
+        target = TARGETS.get(row)
+        mark = "" if target is None else (f"{target:>4.1f}" + (" ok" if ms <= target else " !!"))
+        print(f"| {row:40s} | {ms:7.3f} | {mark:>6s} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
