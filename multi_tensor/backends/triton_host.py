@@ -349,7 +349,8 @@ class AdamBucket:
         g_dt = DTYPE_CODE[self._g_dtype]
         if check_finite:
             _launch(_nonfinite_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
-                    self.chunk, self._g_base, flag, NL=self._nl, G_DT=g_dt, BLOCK=BLOCK)
+                    self.chunk, self._g_base, flag, NL=self._nl, G_DT=g_dt,
+                    ALIGNED=self.chunk % 16 == 0 and self._g_aligned, BLOCK=BLOCK)
         gscale = self._scal
         if grad_scale is not None:
             gscale = grad_scale.reshape(-1)[:1].to(device=self.device, dtype=self.math)
@@ -442,7 +443,8 @@ def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
                          np.asarray(numels, dtype=np.int64)[rows], starts, out])
         table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device)
         _launch(_sumsq_kernel, (len(rows),), device, table, len(rows), _base_view(t0), partial,
-                flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK, BLOCK=BLOCK)
+                flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK, ALIGNED=bool(np.all(ptrs % 16 == 0)),
+                BLOCK=BLOCK)
     total = torch.zeros((), dtype=torch.float32, device=device)
     per32 = torch.zeros(n, dtype=torch.float32, device=device)
     if n:
