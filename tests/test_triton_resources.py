@@ -26,6 +26,7 @@ the bandwidth actually reached (scheduling, caches, DRAM), which only a run on t
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 import subprocess
@@ -39,6 +40,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
                 allow_module_level=True)
 
 from multi_tensor.backends import triton_aot as K  # noqa: E402
+from multi_tensor.backends.triton_kernels import ELEMENT_SIZE  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 if not os.path.exists(PTXAS):
@@ -64,7 +66,6 @@ _PARAM = re.compile(r"\[\s*(\w+)_param_(\d+)\s*\]")
 @functools.lru_cache(maxsize=None)
 def compiled(name: str):
     """(ptx, registers, spill bytes) of one variant for sm_90a: compiled once per session."""
-    _, kernel, sig, cx = VARIANTS[name]
     ptx = K.compiled_ptx(name, ARCH)
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
@@ -172,7 +173,7 @@ def _lists_of(name):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_resources(name):
     ptx, regs, spill = compiled(name)
-    _, kernel, sig, cx = VARIANTS[name]
+    cx = VARIANTS[name][3]
     assert spill == 0, f"{name}: {spill} bytes of register spills"
     if not name.startswith("step_scalars"):
         limit = MAX_REGS_FP32 if _all_fp32(cx) else MAX_REGS
@@ -182,6 +183,23 @@ def test_resources(name):
         bars = re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive|red)\b", ptx)
         assert not shared, f"{name}: {len(shared)} shared-memory accesses (a layout conversion)"
         assert not bars, f"{name}: {len(bars)} barriers"
+
+
+def _per_thread(kernel, cx) -> int:
+    """Elements per thread of one whole block (the Adam family runs half blocks in fp64)."""
+    block = cx["BLOCK"]
+    if kernel.__name__ == "_adam_kernel" and cx["P_DT"] == K.F64:
+        block //= 2
+    return block // (32 * K.NUM_WARPS)
+
+
+def _dtype_of(kernel, arg, cx) -> int:
+    return {"_adam_kernel": dict(g_base=cx.get("G_DT"), p_base=cx.get("P_DT"),
+                                 m_base=cx.get("S_DT"), v_base=cx.get("S_DT"),
+                                 s_base=cx.get("E_DT"), w_base=K.F32),
+            "_scale_kernel": dict(src_base=cx.get("S_DT"), dst_base=cx.get("D_DT")),
+            "_nonfinite_kernel": dict(g_base=cx.get("G_DT")),
+            "_sumsq_kernel": dict(base=cx.get("DT"))}[kernel.__name__][arg]
 
 
 ALIGNED = [n for n in VARIANTS if VARIANTS[n][1].__name__ in LISTS
@@ -207,6 +225,10 @@ def test_aligned_accesses_are_128_bit(name):
             assert body, f"{name}: no unmasked {kind}.global of {arg}"
             assert not narrow, f"{name}: {arg}: unmasked {kind}.global narrower than 128 bits: " \
                                f"{narrow} ({len(body)} accesses)"
+            # each element of a whole block moved once: (elements per thread) x size / 16 bytes
+            want = _per_thread(kernel, cx) * ELEMENT_SIZE[_dtype_of(kernel, arg, cx)] // 16
+            assert len(body) == want, \
+                f"{name}: {arg}: {len(body)} unmasked 128-bit {kind}.global, expected {want}"
 
 
 def test_every_op_list_form_and_dtype_is_covered():
@@ -237,5 +259,5 @@ def test_every_op_list_form_and_dtype_is_covered():
         have = {tuple(cx[k] for k in keys) + (cx["ALIGNED"],)
                 for _, kernel, _, cx in VARIANTS.values() if kernel.__name__ == kname}
         need = {tuple(c) + (a,) for a in (False, True)
-                for c in __import__("itertools").product(every, repeat=len(keys))}
+                for c in itertools.product(every, repeat=len(keys))}
         assert need <= have, f"{kname}: not covered: {sorted(need - have)}"

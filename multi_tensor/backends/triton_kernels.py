@@ -363,7 +363,9 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
     # 128-bit width for lists of one size, single elements when not ALIGNED). fp64 and the
     # element-by-element (not ALIGNED) loop run half blocks: 8 elements per thread of 6 lists,
     # each with its own 64-bit address, would not fit in the register budget.
-    # (while loops: the interpreter cannot run range() over loaded bounds, 1-element arrays)
+    # (while loops: the interpreter cannot run range() over loaded bounds, 1-element arrays.
+    # The whole blocks' bound is ``end`` itself: a second 64-bit bound, live across the calls
+    # to the IEEE division's slow path, is spilled by ptxas in some variants.)
     HAS16: tl.constexpr = (G_DT == 1 or G_DT == 2 or P_DT == 1 or P_DT == 2 or S_DT == 1
                            or S_DT == 2 or (EMA and (E_DT == 1 or E_DT == 2)))
     HAS32: tl.constexpr = (G_DT == 0 or P_DT == 0 or S_DT == 0 or MASTER
