@@ -6,6 +6,8 @@ the PTX and ``ptxas`` checks of ``tests/test_triton_ptx.py``.
 """
 from __future__ import annotations
 
+import functools
+
 import triton
 
 from .triton_kernels import (BF16, BLOCK, COMPILE_OPTIONS, F16, F32, F64, NORM_BLOCK,
@@ -19,32 +21,25 @@ _PTR = {F32: "*fp32", F16: "*fp16", BF16: "*i16", F64: "*fp64"}
 
 def aot_variants():
     """(name, kernel, signature, constexprs): every kernel of triton_kernels, specialised as the
-    backend launches it, for the ahead-of-time PTX check. Adam family: each (param, grad,
-    masters) dtype path once, EMA / grad scale / ALIGNED both ways (all four combinations for
-    the fp32 and fp64 paths), and a bf16 EMA beside fp32 and fp16 state (aligned or not);
-    scale: every (src, dst) dtype pair; l2norm: each input dtype and
-    both combine phases; the device step kernel with fp32 and fp64 scalars, lr float or tensor."""
+    backend can launch it, for the ahead-of-time PTX and resource checks. Adam family: every
+    dtype path (params x grads x masters x EMA storage: none, the state dtype or bf16), each
+    ALIGNED and not, one of the two with a grad scale; scale: every (src, dst) dtype pair, the
+    non-finite check and l2norm's sum of squares: every dtype, each ALIGNED and not; the l2norm
+    combine phases; the device step kernel with fp32 and fp64 scalars, lr float or tensor."""
     out = []
-    combos = [  # (param, grad, master, ema storage: None = the state dtype)
-        (F32, F32, False, None), (F32, BF16, False, None), (F32, F16, False, None),
-        (F16, F16, False, None), (BF16, BF16, False, None), (BF16, BF16, True, None),
-        (BF16, F32, True, None), (F16, F32, True, None), (F16, F16, True, None),
-        (F64, F64, False, None),
-        # a bf16 EMA beside fp32 state (with and without masters) and beside fp16 state
-        (F32, F32, False, BF16), (BF16, BF16, True, BF16), (F16, F16, False, BF16),
-    ]
-    # every dtype path once; EMA, grad scale and the ALIGNED specialisation each both ways
-    switches = [(True, True, True), (False, False, False), (True, False, True),
-                (False, True, False)]
+    combos = []  # (param, grad, master, ema storage: None = no EMA)
+    for p in (F32, F16, BF16):
+        for g in (F32, F16, BF16):
+            for master in (False, True):
+                s = F32 if master else p
+                for e in (None, s) + ((BF16,) if s != BF16 else ()):
+                    combos.append((p, g, master, e))
+    combos += [(F64, F64, False, None), (F64, F64, False, F64)]
     for k, (p, g, master, e) in enumerate(combos):
         s = F32 if master else p
-        full = not master and p == g and p in (F32, F64) and e is None  # fp32, fp64: all four
-        if e is not None:  # a bf16 EMA: with the EMA, both alignments
-            variants = [(True, True, True), (True, False, False)]
-        else:
-            variants = switches if full else [switches[k % 4]]
-        e = s if e is None else e
-        for ema, has_scale, aligned in variants:
+        ema = e is not None
+        for aligned in (True, False):
+            has_scale = (k % 2 == 0) == aligned
             name = (f"adam_p{p}_g{g}_{'master' if master else 'plain'}_"
                     f"{f'ema{e}' if ema else 'noema'}_{'scale' if has_scale else 'noscale'}_"
                     f"{'aligned' if aligned else 'unaligned'}")
@@ -57,20 +52,24 @@ def aot_variants():
             cx = dict(G_DT=g, P_DT=p, S_DT=s, E_DT=e if ema else s, EMA=ema, MASTER=master,
                       HAS_SCALE=has_scale, ALIGNED=aligned, BLOCK=BLOCK)
             out.append((name, _adam_kernel, sig, cx))
-    for g in (F32, F16, BF16, F64):
-        sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "g_base": _PTR[g],
-               "noop": "*i32"}
-        out.append((f"nonfinite_g{g}", _nonfinite_kernel, sig, dict(NL=5, G_DT=g, BLOCK=BLOCK)))
-    for sdt in (F32, F16, BF16, F64):
-        for ddt in (F32, F16, BF16, F64):
-            sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "src_base": _PTR[sdt],
-                   "dst_base": _PTR[ddt], "factor": "*fp64", "noop": "*i32"}
-            out.append((f"scale_s{sdt}_d{ddt}", _scale_kernel, sig,
-                        dict(S_DT=sdt, D_DT=ddt, ALIGNED=True, BLOCK=BLOCK)))
-    for dt in (F32, F16, BF16, F64):
-        sig = {"table": "*i64", "n_blocks": "i32", "base": _PTR[dt], "partial": "*fp64",
-               "noop": "*i32"}
-        out.append((f"sumsq_{dt}", _sumsq_kernel, sig, dict(DT=dt, NB=NORM_BLOCK, BLOCK=BLOCK)))
+    for aligned in (True, False):
+        tag = "aligned" if aligned else "unaligned"
+        for g in (F32, F16, BF16, F64):
+            sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "g_base": _PTR[g],
+                   "noop": "*i32"}
+            out.append((f"nonfinite_g{g}_{tag}", _nonfinite_kernel, sig,
+                        dict(NL=5, G_DT=g, ALIGNED=aligned, BLOCK=BLOCK)))
+        for sdt in (F32, F16, BF16, F64):
+            for ddt in (F32, F16, BF16, F64):
+                sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "src_base": _PTR[sdt],
+                       "dst_base": _PTR[ddt], "factor": "*fp64", "noop": "*i32"}
+                out.append((f"scale_s{sdt}_d{ddt}_{tag}", _scale_kernel, sig,
+                            dict(S_DT=sdt, D_DT=ddt, ALIGNED=aligned, BLOCK=BLOCK)))
+        for dt in (F32, F16, BF16, F64):
+            sig = {"table": "*i64", "n_blocks": "i32", "base": _PTR[dt], "partial": "*fp64",
+                   "noop": "*i32"}
+            out.append((f"sumsq_{dt}_{tag}", _sumsq_kernel, sig,
+                        dict(DT=dt, NB=NORM_BLOCK, ALIGNED=aligned, BLOCK=BLOCK)))
     out.append(("rowsum", _rowsum_kernel, {"partial": "*fp64", "rows": "*i64", "n_rows": "i32",
                                            "per64": "*fp64", "per32": "*fp32"},
                 dict(RB=NORM_RBLOCK)))
@@ -78,11 +77,25 @@ def aot_variants():
                 dict(RB=NORM_RBLOCK)))
     for out_ty in ("*fp32", "*fp64"):
         for lr_t in (False, True):
-            sig = {"hyp": "*fp64", "step": "*fp32", "noop": "*fp32",
+            # the step counter is float64 (fused_optim.planning._Bucket.device_step)
+            sig = {"hyp": "*fp64", "step": "*fp64", "noop": "*fp32",
                    "lr_ptr": "*fp32" if lr_t else "*fp64", "scal": out_ty}
             out.append((f"step_scalars_{out_ty[1:]}_{'lrtensor' if lr_t else 'lrfloat'}",
                         _step_scalars_kernel, sig, dict(LR_TENSOR=lr_t, NBITS=STEP_BITS)))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _variant_index():
+    return {v[0]: v for v in aot_variants()}
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_ptx(name: str, arch: int) -> str:
+    """The PTX of the variant called ``name`` for sm_<arch>, compiled once per process (the PTX
+    and resource tests share it)."""
+    _, kernel, sig, cx = _variant_index()[name]
+    return compile_ptx(kernel, sig, cx, arch)
 
 
 def compile_ptx(kernel, signature, constexprs, arch: int, num_warps: int = NUM_WARPS) -> str:

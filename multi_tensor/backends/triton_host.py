@@ -489,7 +489,8 @@ class AdamBucket:
         g_dt = DTYPE_CODE[self._g_dtype]
         if check_finite:
             _launch(_nonfinite_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
-                    self.chunk, self._g_base, flag, NL=self._nl, G_DT=g_dt, BLOCK=BLOCK)
+                    self.chunk, self._g_base, flag, NL=self._nl, G_DT=g_dt,
+                    ALIGNED=self.chunk % 16 == 0 and self._g_aligned, BLOCK=BLOCK)
         gscale = self._scal
         if grad_scale is not None:
             gscale = grad_scale.reshape(-1)[:1].to(device=self.device, dtype=self.math)
@@ -573,7 +574,9 @@ class _NormPlan:
         for i, t in enumerate(tensors):
             if t.numel():
                 by_dtype.setdefault(t.dtype, []).append((i, t))
-        self.groups = []  # (dtype, the index of the group's base tensor, table, launches)
+        # (dtype, the index of the group's base tensor, table, launches, whether every address
+        # is 16-byte aligned relative to the base: then aligned when the base is)
+        self.groups = []
         for dtype, items in by_dtype.items():
             numels = [t.numel() for _, t in items]
             rows, starts, _ = _chunks(numels, NORM_BLOCK)
@@ -585,7 +588,8 @@ class _NormPlan:
                              np.asarray(numels, dtype=np.int64)[rows], starts, out])
             table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device,
                               "l2norm table")
-            self.groups.append((dtype, items[0][0], table, len(rows)))
+            self.groups.append((dtype, items[0][0], table, len(rows),
+                                bool(np.all((ptrs - t0.data_ptr()) % 16 == 0))))
         self.rows_t = None
         if n:
             rows_host = np.stack([first, np.asarray(counts, dtype=np.int64)])
@@ -600,9 +604,11 @@ class _NormPlan:
         the same dtypes and sizes at the same relative addresses)."""
         device, n = self.device, self.n
         partial = torch.zeros(max(self.n_blocks, 1), dtype=torch.float64, device=device)
-        for dtype, i0, table, n_rows in self.groups:
-            _launch(_sumsq_kernel, (n_rows,), device, table, n_rows, _base_view(tensors[i0]),
-                    partial, flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK, BLOCK=BLOCK)
+        for dtype, i0, table, n_rows, rel_aligned in self.groups:
+            base = tensors[i0]
+            _launch(_sumsq_kernel, (n_rows,), device, table, n_rows, _base_view(base),
+                    partial, flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK,
+                    ALIGNED=rel_aligned and base.data_ptr() % 16 == 0, BLOCK=BLOCK)
         total = torch.zeros((), dtype=torch.float32, device=device)
         per32 = torch.zeros(n, dtype=torch.float32, device=device)
         if n:

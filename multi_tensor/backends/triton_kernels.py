@@ -104,21 +104,85 @@ def _ld(base, delta, offs, mask, DT: tl.constexpr, MATH: tl.constexpr):
 
 
 @triton.jit
-def _st(base, delta, offs, x, mask, DT: tl.constexpr):
-    """Store ``x`` (fp32 or fp64) to dtype code DT, rounded once to nearest even."""
-    ptr = base + delta + offs
+def _bits(x, DT: tl.constexpr):
+    """``x`` (fp32 or fp64) as dtype code DT's storage, rounded once to nearest even."""
     if DT == 3:
-        tl.store(ptr, x.to(tl.float64), mask=mask)
+        return x.to(tl.float64)
     elif DT == 0:
-        tl.store(ptr, x.to(tl.float32), mask=mask)
+        return x.to(tl.float32)
     elif DT == 1:
-        tl.store(ptr, x.to(tl.float32).to(tl.float16, fp_downcast_rounding="rtne"), mask=mask)
+        return x.to(tl.float32).to(tl.float16, fp_downcast_rounding="rtne")
     else:
         xf = x.to(tl.float32)
         bits = xf.to(tl.uint32, bitcast=True)
         r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         r = tl.where(xf != xf, 0x7FC0, r)
-        tl.store(ptr, r.to(tl.int16), mask=mask)
+        return r.to(tl.int16)
+
+
+@triton.jit
+def _st(base, delta, offs, x, mask, DT: tl.constexpr):
+    """Store ``x`` (fp32 or fp64) to dtype code DT, rounded once to nearest even."""
+    tl.store(base + delta + offs, _bits(x, DT), mask=mask)
+
+
+@triton.jit
+def _ld_halves(base, delta, r8, end, MASKED: tl.constexpr, DT: tl.constexpr,
+               MATH: tl.constexpr, R: tl.constexpr):
+    """Rows of 8 elements (``r8``: each row's first offset, [R, 1]) as two [R, 4] halves, each
+    thread holding whole rows: a 16-bit list is loaded 8 elements (128 bits) at a time and split
+    in registers, a 32-bit list 4 elements (128 bits) per half. Every list then has the same
+    elements in the same thread, so no layout conversion (through shared memory) is needed."""
+    if DT == 1 or DT == 2:
+        offs = r8 + tl.arange(0, 8)[None, :]
+        x = _ld(base, delta, offs, offs < end if MASKED else None, DT, MATH)
+        lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 2, 4)), (0, 2, 1)))
+    elif DT == 3:  # quarters of 2 (128 bits), joined in registers into halves
+        lo = _ld_pair64(base, delta, r8, end, MASKED, MATH, R)
+        hi = _ld_pair64(base, delta, r8 + 4, end, MASKED, MATH, R)
+    else:
+        offs = r8 + tl.arange(0, 4)[None, :]
+        lo = _ld(base, delta, offs, offs < end if MASKED else None, DT, MATH)
+        offs = offs + 4
+        hi = _ld(base, delta, offs, offs < end if MASKED else None, DT, MATH)
+    return lo, hi
+
+
+@triton.jit
+def _ld_pair64(base, delta, r4, end, MASKED: tl.constexpr, MATH: tl.constexpr, R: tl.constexpr):
+    offs = r4 + tl.arange(0, 2)[None, :]
+    a = _ld(base, delta, offs, offs < end if MASKED else None, 3, MATH)
+    offs = offs + 2
+    b = _ld(base, delta, offs, offs < end if MASKED else None, 3, MATH)
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (R, 4))
+
+
+@triton.jit
+def _st_pair64(base, delta, r4, x, end, MASKED: tl.constexpr, R: tl.constexpr):
+    a, b = tl.split(tl.permute(tl.reshape(x, (R, 2, 2)), (0, 2, 1)))
+    offs = r4 + tl.arange(0, 2)[None, :]
+    tl.store(base + delta + offs, a, mask=offs < end if MASKED else None)
+    offs = offs + 2
+    tl.store(base + delta + offs, b, mask=offs < end if MASKED else None)
+
+
+@triton.jit
+def _st_halves(base, delta, r8, lo, hi, end, MASKED: tl.constexpr, DT: tl.constexpr,
+               R: tl.constexpr):
+    """The store of :func:`_ld_halves`: a 16-bit list's halves joined in registers into rows of
+    8 (one 128-bit store), a 32-bit list's halves stored 4 elements at a time."""
+    if DT == 1 or DT == 2:
+        offs = r8 + tl.arange(0, 8)[None, :]
+        x = tl.reshape(tl.permute(tl.join(_bits(lo, DT), _bits(hi, DT)), (0, 2, 1)), (R, 8))
+        tl.store(base + delta + offs, x, mask=offs < end if MASKED else None)
+    elif DT == 3:
+        _st_pair64(base, delta, r8, lo.to(tl.float64), end, MASKED, R)
+        _st_pair64(base, delta, r8 + 4, hi.to(tl.float64), end, MASKED, R)
+    else:
+        offs = r8 + tl.arange(0, 4)[None, :]
+        _st(base, delta, offs, lo, offs < end if MASKED else None, DT)
+        offs = offs + 4
+        _st(base, delta, offs, hi, offs < end if MASKED else None, DT)
 
 
 @triton.jit
@@ -150,21 +214,10 @@ def _sqrt(x, IS64: tl.constexpr):
 # the Adam family
 
 @triton.jit
-def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
-                w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
-                l2, decoupled, use_denom, maximize, inv_scale,
-                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-                EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-                MATH: tl.constexpr, IS64: tl.constexpr):
-    # multi_tensor/rules.py, line for line (csrc/include/adam_rule.h adam_update). E_DT: the
-    # EMA's storage (S_DT, or bf16 beside fp32/fp16 state): loaded exactly, rounded once on store.
-    g = _ld(g_base, g_d, offs, mask, G_DT, MATH)
-    if MASTER:
-        w = _ld(w_base, w_d, offs, mask, 0, MATH)
-    else:
-        w = _ld(p_base, p_d, offs, mask, P_DT, MATH)
-    m = _ld(m_base, m_d, offs, mask, S_DT, MATH)
-    v = _ld(v_base, v_d, offs, mask, S_DT, MATH)
+def _adam_math(g, w, m, v, s, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size,
+               ema_w, l2, decoupled, use_denom, maximize, inv_scale, EMA: tl.constexpr,
+               HAS_SCALE: tl.constexpr, IS64: tl.constexpr):
+    # multi_tensor/rules.py, line for line (csrc/include/adam_rule.h adam_update)
     if HAS_SCALE:
         g = g * inv_scale
     g = tl.where(maximize, _neg(g, IS64), g)
@@ -174,15 +227,77 @@ def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, 
     u = tl.where(use_denom, _div(m, _sqrt(v, IS64) * isb2 + eps, IS64), m)
     wn = tl.where(decoupled, w - lr_wd * w, w)
     wn = wn - step_size * u
+    if EMA:
+        s = s + ema_w * (wn - s)
+    return m, v, wn, s
+
+
+@triton.jit
+def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
+                w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
+                l2, decoupled, use_denom, maximize, inv_scale,
+                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
+                EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+                MATH: tl.constexpr, IS64: tl.constexpr):
+    # one block, every list with the same layout (the lists' vector widths agree: see
+    # _adam_kernel). E_DT: the EMA's storage (S_DT, or bf16 beside fp32/fp16 state): loaded
+    # exactly, rounded once on store. Every list is loaded first, the EMA with the others.
+    g = _ld(g_base, g_d, offs, mask, G_DT, MATH)
+    if MASTER:
+        w = _ld(w_base, w_d, offs, mask, 0, MATH)
+    else:
+        w = _ld(p_base, p_d, offs, mask, P_DT, MATH)
+    m = _ld(m_base, m_d, offs, mask, S_DT, MATH)
+    v = _ld(v_base, v_d, offs, mask, S_DT, MATH)
+    s = w
+    if EMA:
+        s = _ld(s_base, s_d, offs, mask, E_DT, MATH)
+    m, v, wn, s = _adam_math(g, w, m, v, s, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
+                             step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
+                             EMA, HAS_SCALE, IS64)
     _st(m_base, m_d, offs, m, mask, S_DT)
     _st(v_base, v_d, offs, v, mask, S_DT)
     if EMA:
-        s = _ld(s_base, s_d, offs, mask, E_DT, MATH)
-        s = s + ema_w * (wn - s)
         _st(s_base, s_d, offs, s, mask, E_DT)
     if MASTER:
         _st(w_base, w_d, offs, wn, mask, 0)
     _st(p_base, p_d, offs, wn, mask, P_DT)
+
+
+@triton.jit
+def _adam_rows(r8, end, MASKED: tl.constexpr, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
+               v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
+               step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
+               G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
+               EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+               R: tl.constexpr):
+    """_adam_block for lists of 16-bit and 32-bit dtypes together: rows of 8 elements per
+    thread, each list loaded and stored in 128-bit vectors (_ld_halves), the math on halves."""
+    F: tl.constexpr = tl.float32
+    g0, g1 = _ld_halves(g_base, g_d, r8, end, MASKED, G_DT, F, R)
+    if MASTER:
+        w0, w1 = _ld_halves(w_base, w_d, r8, end, MASKED, 0, F, R)
+    else:
+        w0, w1 = _ld_halves(p_base, p_d, r8, end, MASKED, P_DT, F, R)
+    m0, m1 = _ld_halves(m_base, m_d, r8, end, MASKED, S_DT, F, R)
+    v0, v1 = _ld_halves(v_base, v_d, r8, end, MASKED, S_DT, F, R)
+    s0 = w0
+    s1 = w1
+    if EMA:
+        s0, s1 = _ld_halves(s_base, s_d, r8, end, MASKED, E_DT, F, R)
+    m0, v0, w0, s0 = _adam_math(g0, w0, m0, v0, s0, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
+                                eps, step_size, ema_w, l2, decoupled, use_denom, maximize,
+                                inv_scale, EMA, HAS_SCALE, False)
+    m1, v1, w1, s1 = _adam_math(g1, w1, m1, v1, s1, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
+                                eps, step_size, ema_w, l2, decoupled, use_denom, maximize,
+                                inv_scale, EMA, HAS_SCALE, False)
+    _st_halves(m_base, m_d, r8, m0, m1, end, MASKED, S_DT, R)
+    _st_halves(v_base, v_d, r8, v0, v1, end, MASKED, S_DT, R)
+    if EMA:
+        _st_halves(s_base, s_d, r8, s0, s1, end, MASKED, E_DT, R)
+    if MASTER:
+        _st_halves(w_base, w_d, r8, w0, w1, end, MASKED, 0, R)
+    _st_halves(p_base, p_d, r8, w0, w1, end, MASKED, P_DT, R)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
@@ -212,12 +327,16 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
     numel = tl.load(table + NL * n + pid)
     start = tl.load(table + (NL + 1) * n + pid)
     if ALIGNED:  # (tl.multiple_of must be applied here: a jit helper's hint is lost)
+        # each list's own offset (an absent list's stand-in is never hinted: the hint would mark
+        # the value it stands in for, and the last hint on a value wins)
         g_d = tl.multiple_of(g_d, VG)
         p_d = tl.multiple_of(p_d, VP)
         m_d = tl.multiple_of(m_d, VS)
         v_d = tl.multiple_of(v_d, VS)
-        s_d = tl.multiple_of(s_d, VE)
-        w_d = tl.multiple_of(w_d, 4)
+        if EMA:
+            s_d = tl.multiple_of(s_d, VE)
+        if MASTER:
+            w_d = tl.multiple_of(w_d, 4)
         start = tl.multiple_of(start, 16)
     end = tl.minimum(start + chunk.to(tl.int64), numel)
     end = tl.where(tl.load(noop) != 0, start, end)  # noop set (or found_inf): change nothing
@@ -238,48 +357,102 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
     inv_scale = beta1
     if HAS_SCALE:
         inv_scale = _div(tl.full((), 1.0, MATH), tl.load(gscale).to(MATH), IS64)
-    # while loops: the interpreter cannot run range() over loaded bounds (1-element arrays)
-    full = start + ((end - start) // BLOCK) * BLOCK
+    # One vector width per loop for every list: when 16-bit and 32-bit lists meet in an
+    # ALIGNED bucket, rows of 8 elements per thread (_adam_rows: one 128-bit vector of a 16-bit
+    # list, two of a 32-bit one); else one element layout for all (a 1-D block: the same
+    # 128-bit width for lists of one size, single elements when not ALIGNED). fp64 and the
+    # element-by-element (not ALIGNED) loop run half blocks: 8 elements per thread of 6 lists,
+    # each with its own 64-bit address, would not fit in the register budget.
+    # (while loops: the interpreter cannot run range() over loaded bounds, 1-element arrays.
+    # The whole blocks' bound is ``end`` itself: a second 64-bit bound, live across the calls
+    # to the IEEE division's slow path, is spilled by ptxas in some variants.)
+    HAS16: tl.constexpr = (G_DT == 1 or G_DT == 2 or P_DT == 1 or P_DT == 2 or S_DT == 1
+                           or S_DT == 2 or (EMA and (E_DT == 1 or E_DT == 2)))
+    HAS32: tl.constexpr = (G_DT == 0 or P_DT == 0 or S_DT == 0 or MASTER
+                           or (EMA and E_DT == 0))
+    ROWS: tl.constexpr = ALIGNED and HAS16 and HAS32
+    IB: tl.constexpr = BLOCK // 2 if IS64 or not ALIGNED else BLOCK
     base = start
-    while base < full:  # whole blocks, unmasked (128-bit accesses when ALIGNED)
-        if ALIGNED:
-            offs = tl.multiple_of(base, 16) + tl.arange(0, BLOCK)
-        else:
-            offs = base + tl.arange(0, BLOCK)
-        _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
-                    w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size,
-                    ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
-        base += BLOCK
-    if base < end:  # the tail: one masked block
-        offs = base + tl.arange(0, BLOCK)
-        _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
-                    s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
-                    step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+    if ROWS:
+        R: tl.constexpr = BLOCK // 8
+        rows = tl.arange(0, R)[:, None] * 8
+        while base + BLOCK <= end:  # whole blocks, unmasked
+            _adam_rows(tl.multiple_of(base, 16) + rows, end, False, g_base, g_d, p_base, p_d,
+                       m_base, m_d, v_base, v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2,
+                       omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w, l2, decoupled,
+                       use_denom, maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER,
+                       HAS_SCALE, R)
+            base += BLOCK
+        if base < end:  # the tail: one masked block
+            _adam_rows(base + rows, end, True, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
+                       v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd,
+                       isb2, eps, step_size, ema_w, l2, decoupled, use_denom, maximize,
+                       inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, R)
+    else:
+        while base + IB <= end:  # whole blocks, unmasked (128-bit accesses when ALIGNED)
+            if ALIGNED:
+                offs = tl.multiple_of(base, 16) + tl.arange(0, IB)
+            else:
+                offs = base + tl.arange(0, IB)
+            _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
+                        s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
+                        step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
+                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+            base += IB
+        if base < end:  # the tail: one masked block
+            offs = base + tl.arange(0, IB)
+            _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d,
+                        s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
+                        eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
+                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+
+
+@triton.jit
+def _flag_if(noop, bad, V: tl.constexpr):
+    """noop = 1 if any lane of ``bad`` (a 1-D block, V consecutive elements per thread, or
+    rows) is set: each thread's lanes combined in its registers, then a masked store of the one
+    flag by every thread that saw one (all write the same value); a reduction across warps
+    would go through shared memory and barriers."""
+    if len(bad.shape) == 1:
+        bad = tl.reshape(bad, (bad.shape[0] // V, V))
+    r = tl.max(bad, axis=1)
+    tl.store(noop + tl.zeros(r.shape, dtype=tl.int32), tl.full(r.shape, 1, tl.int32),
+             mask=r != 0)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
 def _nonfinite_kernel(table, n_chunks, chunk, g_base, noop, NL: tl.constexpr,
-                      G_DT: tl.constexpr, BLOCK: tl.constexpr):
+                      G_DT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """check_finite: sets ``noop`` to 1 if any grad holds an inf or NaN (before the update)."""
+    MATH: tl.constexpr = tl.float32 if G_DT != 3 else tl.float64
+    VG: tl.constexpr = 8 if G_DT == 1 or G_DT == 2 else (2 if G_DT == 3 else 4)
     pid = tl.program_id(0).to(tl.int64)
     n = n_chunks.to(tl.int64)
     g_d = tl.load(table + pid)
     numel = tl.load(table + NL * n + pid)
     start = tl.load(table + (NL + 1) * n + pid)
+    if ALIGNED:
+        g_d = tl.multiple_of(g_d, VG)
+        start = tl.multiple_of(start, 16)
     end = tl.minimum(start + chunk.to(tl.int64), numel)
     end = tl.where(tl.load(noop) != 0, start, end)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     base = start
-    while base < end:
-        offs = base + tl.arange(0, BLOCK)
-        g = _ld(g_base, g_d, offs, offs < end, G_DT, tl.float32 if G_DT != 3 else tl.float64)
+    while base + BLOCK <= end:  # whole blocks, unmasked (128-bit loads when ALIGNED)
+        if ALIGNED:
+            offs = tl.multiple_of(base, 16) + tl.arange(0, BLOCK)
+        else:
+            offs = base + tl.arange(0, BLOCK)
+        g = _ld(g_base, g_d, offs, None, G_DT, MATH)
         f = g - g  # NaN exactly where g is inf or NaN
         bad = bad | (f != f).to(tl.int32)
         base += BLOCK
-    if tl.max(bad, axis=0) != 0:
-        tl.store(noop, 1)
+    if base < end:  # the tail: one masked block
+        offs = base + tl.arange(0, BLOCK)
+        g = _ld(g_base, g_d, offs, offs < end, G_DT, MATH)
+        f = g - g
+        bad = bad | (f != f).to(tl.int32)
+    _flag_if(noop, bad, VG if ALIGNED else 1)
 
 
 @triton.jit
@@ -370,6 +543,36 @@ def _step_scalars_kernel(hyp, step, noop, lr_ptr, scal, LR_TENSOR: tl.constexpr,
 # ---------------------------------------------------------------------------------------------
 # scale and l2norm
 
+@triton.jit
+def _scale_block(src_base, s_d, dst_base, d_d, offs, mask, f, bad, S_DT: tl.constexpr,
+                 D_DT: tl.constexpr, MATH: tl.constexpr):
+    x = _ld(src_base, s_d, offs, mask, S_DT, MATH)
+    d = x - x
+    bad = bad | (d != d).to(tl.int32)
+    y = x * f
+    if D_DT != 3:
+        y = y.to(tl.float32)  # fp64 products reach fp16/bf16 through fp32, as torch's copy_
+    _st(dst_base, d_d, offs, y, mask, D_DT)
+    return bad
+
+
+@triton.jit
+def _scale_rows(src_base, s_d, dst_base, d_d, r8, end, MASKED: tl.constexpr, f, bad,
+                S_DT: tl.constexpr, D_DT: tl.constexpr, MATH: tl.constexpr, R: tl.constexpr):
+    x0, x1 = _ld_halves(src_base, s_d, r8, end, MASKED, S_DT, MATH, R)
+    d = x0 - x0
+    bad = bad | (d != d).to(tl.int32)
+    d = x1 - x1
+    bad = bad | (d != d).to(tl.int32)
+    y0 = x0 * f
+    y1 = x1 * f
+    if D_DT != 3:
+        y0 = y0.to(tl.float32)  # fp64 products reach fp16/bf16 through fp32, as torch's copy_
+        y1 = y1.to(tl.float32)
+    _st_halves(dst_base, d_d, r8, y0, y1, end, MASKED, D_DT, R)
+    return bad
+
+
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
 def _scale_kernel(table, n_chunks, chunk, src_base, dst_base, factor, noop,
                   S_DT: tl.constexpr, D_DT: tl.constexpr, ALIGNED: tl.constexpr,
@@ -391,47 +594,73 @@ def _scale_kernel(table, n_chunks, chunk, src_base, dst_base, factor, noop,
         start = tl.multiple_of(start, 16)
     end = tl.minimum(start + chunk.to(tl.int64), numel)
     f = tl.load(factor).to(MATH)  # the double rounded once (cvt.rn), as torch's scalar
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    ROWS: tl.constexpr = ALIGNED and VS != VD
     base = start
-    while base < end:
-        offs = base + tl.arange(0, BLOCK)
-        mask = offs < end
-        x = _ld(src_base, s_d, offs, mask, S_DT, MATH)
-        d = x - x
-        bad = bad | (d != d).to(tl.int32)
-        y = x * f
-        if D_DT != 3:
-            y = y.to(tl.float32)  # fp64 products reach fp16/bf16 through fp32, as torch's copy_
-        _st(dst_base, d_d, offs, y, mask, D_DT)
-        base += BLOCK
-    if tl.max(bad, axis=0) != 0:
-        tl.store(noop, 1)
+    if ROWS:  # lists of different widths: rows of 8 per thread, as _adam_rows
+        R: tl.constexpr = BLOCK // 8
+        rows = tl.arange(0, R)[:, None] * 8
+        bad = tl.zeros([R, 4], dtype=tl.int32)
+        while base + BLOCK <= end:  # whole blocks, unmasked
+            bad = _scale_rows(src_base, s_d, dst_base, d_d, tl.multiple_of(base, 16) + rows,
+                              end, False, f, bad, S_DT, D_DT, MATH, R)
+            base += BLOCK
+        if base < end:  # the tail: one masked block
+            bad = _scale_rows(src_base, s_d, dst_base, d_d, base + rows, end, True, f, bad,
+                              S_DT, D_DT, MATH, R)
+        _flag_if(noop, bad, 4)
+    else:
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        while base + BLOCK <= end:  # whole blocks, unmasked (128-bit accesses when ALIGNED)
+            if ALIGNED:
+                offs = tl.multiple_of(base, 16) + tl.arange(0, BLOCK)
+            else:
+                offs = base + tl.arange(0, BLOCK)
+            bad = _scale_block(src_base, s_d, dst_base, d_d, offs, None, f, bad, S_DT, D_DT,
+                               MATH)
+            base += BLOCK
+        if base < end:  # the tail: one masked block
+            offs = base + tl.arange(0, BLOCK)
+            bad = _scale_block(src_base, s_d, dst_base, d_d, offs, offs < end, f, bad, S_DT,
+                               D_DT, MATH)
+        _flag_if(noop, bad, VS if ALIGNED else 1)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _sumsq_kernel(table, n_blocks, base, partial, noop, DT: tl.constexpr, NB: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """l2norm phase 1: the fp64 sum of squares of one fixed block of NB elements."""
+    V: tl.constexpr = 8 if DT == 1 or DT == 2 else (2 if DT == 3 else 4)
     pid = tl.program_id(0).to(tl.int64)
     n = n_blocks.to(tl.int64)
     d = tl.load(table + pid)
     numel = tl.load(table + n + pid)
     start = tl.load(table + 2 * n + pid)
     out = tl.load(table + 3 * n + pid)
+    if ALIGNED:
+        d = tl.multiple_of(d, V)
+        start = tl.multiple_of(start, 16)
     end = tl.minimum(start + NB, numel)
     acc = tl.zeros([BLOCK], dtype=tl.float64)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     b = start
-    while b < end:
+    while b + BLOCK <= end:  # whole blocks, unmasked (128-bit loads when ALIGNED)
+        if ALIGNED:
+            offs = tl.multiple_of(b, 16) + tl.arange(0, BLOCK)
+        else:
+            offs = b + tl.arange(0, BLOCK)
+        x = _ld(base, d, offs, None, DT, tl.float64)
+        acc = acc + x * x
+        f = x - x
+        bad = bad | (f != f).to(tl.int32)
+        b += BLOCK
+    if b < end:  # the tail: one masked block (each lane adds its elements in the same order)
         offs = b + tl.arange(0, BLOCK)
         x = _ld(base, d, offs, offs < end, DT, tl.float64)
         acc = acc + x * x
         f = x - x
         bad = bad | (f != f).to(tl.int32)
-        b += BLOCK
     tl.store(partial + out, tl.sum(acc, axis=0))
-    if tl.max(bad, axis=0) != 0:
-        tl.store(noop, 1)
+    _flag_if(noop, bad, V if ALIGNED else 1)
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -1,0 +1,263 @@
+"""What the Triton backend's kernels cost an sm_90a GPU, checked on this CPU machine.
+
+Every kernel variant the backend can launch (``triton_aot.aot_variants``: every op, list form,
+dtype combination, ALIGNED and not) is compiled for sm_90a and assembled by Triton's bundled
+``ptxas -v``. Asserted:
+
+* no shared memory (``ld/st.shared``) and no barrier (``bar.sync``) in the PTX of the
+  elementwise kernels (Adam family, scale, the non-finite check). A layout conversion between
+  lists of different vector widths goes through shared memory and a barrier per iteration;
+  Triton's shared memory is dynamic, so ``ptxas -v`` does not report it and the PTX is read
+  instead. (The l2norm phases reduce across warps, which needs shared memory: exempt.)
+* 0 bytes of spill stores and loads;
+* at most 96 registers per thread (at most 80 when every list is fp32), so that enough warps fit
+  on an SM to keep the loads in flight. The step-scalars kernel runs one thread once per step:
+  its register count does not matter and is not limited;
+* in the ALIGNED variants, every unmasked global load and store of every list is 128-bit
+  (``ld/st.global.v4.b32``; fp64: ``.v2.b64``; 16-bit lists are moved as packed 32-bit words),
+  counted per list: each access is traced back to the kernel parameter its address derives
+  from. The masked tail of a tensor (predicated accesses) is element by element.
+
+What this proves: the code the GPU would run has no shared-memory round trip, no spills, an
+occupancy the register count allows, and full-width memory transactions. What it cannot prove:
+the bandwidth actually reached (scheduling, caches, DRAM), which only a run on the GPU measures
+(``tools/gpu_check``). Skips when triton or its ptxas is missing.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="triton is not installed (tools/bootstrap.sh --test)")
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled",
+                allow_module_level=True)
+
+from multi_tensor.backends import triton_aot as K  # noqa: E402
+from multi_tensor.backends.triton_kernels import ELEMENT_SIZE  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+if not os.path.exists(PTXAS):
+    pytest.skip(f"Triton's bundled ptxas is missing ({PTXAS})", allow_module_level=True)
+
+ARCH = 90
+VARIANTS = {v[0]: v for v in K.aot_variants()}
+ELEMENTWISE = ("adam_", "scale_", "nonfinite_")
+MAX_REGS, MAX_REGS_FP32 = 96, 80
+
+# the list arguments of each kernel: "r" read, "w" written, "rw" both
+LISTS = {
+    "_adam_kernel": {"g_base": "r", "p_base": "rw", "m_base": "rw", "v_base": "rw",
+                     "s_base": "rw", "w_base": "rw"},
+    "_scale_kernel": {"src_base": "r", "dst_base": "w"},
+    "_nonfinite_kernel": {"g_base": "r"},
+    "_sumsq_kernel": {"base": "r"},
+}
+_REG = re.compile(r"%[a-z]+\d+")
+_PARAM = re.compile(r"\[\s*(\w+)_param_(\d+)\s*\]")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(name: str):
+    """(ptx, registers, spill bytes) of one variant for sm_90a: compiled once per session."""
+    ptx = K.compiled_ptx(name, ARCH)
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        # as Triton assembles it for the backend (enable_fp_fusion=False: --fmad=false)
+        r = subprocess.run([PTXAS, "-lineinfo", "--fmad=false", "-v", "--gpu-name=sm_90a", src,
+                            "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{name}: ptxas failed:\n{out}"
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", out)]
+    spills = [int(a) + int(b) for a, b in
+              re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)]
+    assert regs and spills, f"{name}: no resource line from ptxas -v:\n{out}"
+    return ptx, max(regs), sum(spills)
+
+
+def _instructions(ptx: str):
+    """(predicated, mnemonic, operands) of each PTX instruction."""
+    for line in ptx.splitlines():
+        line = line.split("//")[0].strip()
+        if not line.endswith(";") or line.startswith("."):
+            continue
+        line = line[:-1].strip()
+        pred = line.startswith("@")
+        if pred:
+            line = line.split(None, 1)[1]
+        parts = line.split(None, 1)
+        if len(parts) == 2:
+            yield pred, parts[0], parts[1]
+
+
+def _split_operands(ops: str):
+    out, depth, cur = [], 0, ""
+    for ch in ops:
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return out
+
+
+def global_accesses(ptx: str):
+    """[(kind 'ld'/'st', mnemonic, predicated, params)]: each global access and the kernel
+    parameters its address is computed from (register taint, iterated to a fixed point so that
+    loop-carried registers are followed)."""
+    insts = list(_instructions(ptx))
+    taint = {}
+    changed = True
+    while changed:
+        changed = False
+        for _, mn, ops in insts:
+            if mn.startswith(("st.", "bra", "ret", "bar", "@")):
+                continue
+            opl = _split_operands(ops)
+            dests = _REG.findall(opl[0])
+            if mn.startswith("ld.param"):
+                m = _PARAM.search(ops)
+                src = frozenset([int(m.group(2))]) if m else frozenset()
+            else:
+                src = frozenset()
+                for o in opl[1:]:
+                    for r in _REG.findall(o):
+                        src |= taint.get(r, frozenset())
+            for r in dests:
+                if not src <= taint.get(r, frozenset()):
+                    taint[r] = taint.get(r, frozenset()) | src
+                    changed = True
+    out = []
+    for pred, mn, ops in insts:
+        if not mn.startswith(("ld.global", "st.global")):
+            continue
+        addr = re.search(r"\[([^\]]*)\]", ops).group(1)
+        params = frozenset()
+        for r in _REG.findall(addr):
+            params |= taint.get(r, frozenset())
+        out.append((mn[:2], mn, pred, params))
+    return out
+
+
+def _all_fp32(cx) -> bool:
+    dts = [cx[k] for k in ("G_DT", "P_DT", "S_DT", "E_DT", "D_DT", "DT") if k in cx]
+    return bool(dts) and all(d == K.F32 for d in dts)
+
+
+def _lists_of(name):
+    _, kernel, sig, cx = VARIANTS[name]
+    lists = dict(LISTS.get(kernel.__name__, {}))
+    if kernel.__name__ == "_adam_kernel":
+        if not cx["EMA"]:
+            del lists["s_base"]
+        if not cx["MASTER"]:
+            del lists["w_base"]
+        else:  # the update reads the masters; the params are only written
+            lists["p_base"] = "w"
+    return kernel, lists, cx
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_resources(name):
+    ptx, regs, spill = compiled(name)
+    cx = VARIANTS[name][3]
+    assert spill == 0, f"{name}: {spill} bytes of register spills"
+    if not name.startswith("step_scalars"):
+        limit = MAX_REGS_FP32 if _all_fp32(cx) else MAX_REGS
+        assert regs <= limit, f"{name}: {regs} registers (at most {limit})"
+    if name.startswith(ELEMENTWISE):
+        shared = re.findall(r"\b(?:ld|st)\.shared[.\w]*", ptx)
+        bars = re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive|red)\b", ptx)
+        assert not shared, f"{name}: {len(shared)} shared-memory accesses (a layout conversion)"
+        assert not bars, f"{name}: {len(bars)} barriers"
+
+
+def _per_thread(kernel, cx) -> int:
+    """Elements per thread of one whole block (the Adam family runs half blocks in fp64)."""
+    block = cx["BLOCK"]
+    if kernel.__name__ == "_adam_kernel" and cx["P_DT"] == K.F64:
+        block //= 2
+    return block // (32 * K.NUM_WARPS)
+
+
+def _dtype_of(kernel, arg, cx) -> int:
+    return {"_adam_kernel": dict(g_base=cx.get("G_DT"), p_base=cx.get("P_DT"),
+                                 m_base=cx.get("S_DT"), v_base=cx.get("S_DT"),
+                                 s_base=cx.get("E_DT"), w_base=K.F32),
+            "_scale_kernel": dict(src_base=cx.get("S_DT"), dst_base=cx.get("D_DT")),
+            "_nonfinite_kernel": dict(g_base=cx.get("G_DT")),
+            "_sumsq_kernel": dict(base=cx.get("DT"))}[kernel.__name__][arg]
+
+
+ALIGNED = [n for n in VARIANTS if VARIANTS[n][1].__name__ in LISTS
+           and VARIANTS[n][3].get("ALIGNED")]
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_aligned_accesses_are_128_bit(name):
+    ptx, _, _ = compiled(name)
+    kernel, lists, cx = _lists_of(name)
+    index = {a: i for i, a in enumerate(kernel.arg_names)}
+    acc = global_accesses(ptx)
+    for arg, how in lists.items():
+        mine = [a for a in acc if index[arg] in a[3]]
+        assert not [a for a in mine if len(a[3] & {index[x] for x in lists}) > 1], \
+            f"{name}: an access derives from two lists"
+        for kind in ("ld", "st"):
+            body = [a for a in mine if a[0] == kind and not a[2]]
+            if ("r" if kind == "ld" else "w") not in how:
+                assert not body, f"{name}: {arg} is not {'read' if kind == 'ld' else 'written'}"
+                continue
+            narrow = sorted({a[1] for a in body if not re.search(r"\.v4\.b32$|\.v2\.b64$", a[1])})
+            assert body, f"{name}: no unmasked {kind}.global of {arg}"
+            assert not narrow, f"{name}: {arg}: unmasked {kind}.global narrower than 128 bits: " \
+                               f"{narrow} ({len(body)} accesses)"
+            # each element of a whole block moved once: (elements per thread) x size / 16 bytes
+            want = _per_thread(kernel, cx) * ELEMENT_SIZE[_dtype_of(kernel, arg, cx)] // 16
+            assert len(body) == want, \
+                f"{name}: {arg}: {len(body)} unmasked 128-bit {kind}.global, expected {want}"
+
+
+def test_every_op_list_form_and_dtype_is_covered():
+    """The variant list covers what the backend can launch: every Adam-family dtype path
+    (params x grads x masters x EMA storage) ALIGNED and not, with and without a grad scale;
+    scale for every (src, dst) pair both ways; the helper scans for every dtype both ways."""
+    dts = (K.F32, K.F16, K.BF16)
+    want = set()
+    for p in dts:
+        for g in dts:
+            for master in (False, True):
+                s = K.F32 if master else p
+                for e in (None, s, K.BF16):
+                    for aligned in (False, True):
+                        want.add((p, g, master, e, aligned))
+    want |= {(K.F64, K.F64, False, e, a) for e in (None, K.F64) for a in (False, True)}
+    got, scales = set(), set()
+    for name, kernel, sig, cx in VARIANTS.values():
+        if kernel.__name__ == "_adam_kernel":
+            got.add((cx["P_DT"], cx["G_DT"], cx["MASTER"], cx["E_DT"] if cx["EMA"] else None,
+                     cx["ALIGNED"]))
+            scales.add((cx["P_DT"], cx["G_DT"], cx["MASTER"], cx["HAS_SCALE"]))
+    assert want <= got, f"Adam variants not covered: {sorted(want - got)}"
+    assert {s[3] for s in scales} == {False, True}
+    every = (K.F32, K.F16, K.BF16, K.F64)
+    for kname, keys in (("_scale_kernel", ("S_DT", "D_DT")), ("_nonfinite_kernel", ("G_DT",)),
+                        ("_sumsq_kernel", ("DT",))):
+        have = {tuple(cx[k] for k in keys) + (cx["ALIGNED"],)
+                for _, kernel, _, cx in VARIANTS.values() if kernel.__name__ == kname}
+        need = {tuple(c) + (a,) for a in (False, True)
+                for c in itertools.product(every, repeat=len(keys))}
+        assert need <= have, f"{kname}: not covered: {sorted(need - have)}"
