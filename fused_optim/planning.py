@@ -59,7 +59,7 @@ class _Bucket:
     __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device_step", "device",
                  "complex",
                  "device_steps", "grads", "ema_free", "every", "active", "layout",
-                 "local_params")
+                 "local_params", "_step_host")
 
     def __init__(self, rows: Optional[List[int]], params, prepared, step: int, device_steps: bool,
                  ema_free=None, every: int = 1, layout=None):
@@ -77,6 +77,14 @@ class _Bucket:
                                       device=self.device if device_steps else "cpu")
         self.device_step = (torch.full((), float(step), dtype=torch.float64, device=self.device)
                             if device_steps else None)
+        # the host step tensor's memory as a numpy scalar: writing it costs a tenth of fill_'s
+        # dispatch, in every step's fixed cost (None without numpy, which torch does not need)
+        self._step_host = None
+        if not device_steps:
+            try:
+                self._step_host = self.step_tensor.numpy()
+            except (RuntimeError, TypeError):
+                pass
         self.grads: Optional[List[torch.Tensor]] = None
         self.ema_free = ema_free
         self.every = every
@@ -97,8 +105,8 @@ class _Bucket:
         if self.complex:
             mine = [None if g is None else _real_view(g) for g in mine]
         self.grads = mine
-        self.active = (self.prepared if ema_schedules.updates_at(self.step + 1, self.every)
-                       else self.ema_free)
+        self.active = (self.prepared if self.every == 1
+                       or ema_schedules.updates_at(self.step + 1, self.every) else self.ema_free)
         return self.active.bind(mine)
 
     def _local_grads(self, grads):
@@ -130,7 +138,10 @@ class _Bucket:
         else:
             self.active.run(noop_flag, rules.step_scalars(hyper, self.step + 1), scale, False)
             self.step += 1
-            self.step_tensor.fill_(self.step)
+            if self._step_host is not None:
+                self._step_host[()] = self.step
+            else:
+                self.step_tensor.fill_(self.step)
         self.grads = None
 
 

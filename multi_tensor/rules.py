@@ -170,8 +170,40 @@ def radam_rect(beta2: float, step: int) -> Optional[float]:
                      / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
 
 
+# The step-independent fields of an Adam hyperparameter set, kept for the few sets in use: an
+# optimizer's groups hand the same AdamHyper object to every step (fused_optim.planning), so each
+# step computes only the bias corrections. Keyed by the object (the entry keeps it alive, so its
+# id is not reused); a new object is a new entry, and the table is emptied when it grows.
+_ADAM_CONSTANTS: dict = {}
+_ISB2 = StepScalars._fields.index("isb2")
+_STEP_SIZE = StepScalars._fields.index("step_size")
+
+
+def _adam_constants(h: AdamHyper) -> list:
+    entry = _ADAM_CONSTANTS.get(id(h))
+    if entry is not None and entry[0] is h:
+        return entry[1]
+    if len(_ADAM_CONSTANTS) >= 64:
+        _ADAM_CONSTANTS.clear()
+    fields = list(_step_scalars(h, 1))  # isb2 and step_size are replaced per step
+    _ADAM_CONSTANTS[id(h)] = (h, fields)
+    return fields
+
+
 def step_scalars(h: AdamHyper, step: int) -> StepScalars:
     """The scalars of update number ``step`` (>= 1), in double."""
+    if h.rule == RADAM:
+        return _step_scalars(h, step)
+    fields = list(_adam_constants(h))
+    bc1, bc2 = ((1.0 - power(h.beta1, step), 1.0 - power(h.beta2, step))
+                if h.bias_correction else (1.0, 1.0))
+    fields[_ISB2] = 1.0 / math.sqrt(bc2)
+    fields[_STEP_SIZE] = h.lr / bc1
+    return StepScalars._make(fields)
+
+
+def _step_scalars(h: AdamHyper, step: int) -> StepScalars:
+    """:func:`step_scalars` from the formula, every field computed."""
     wd = float(h.weight_decay)
     has_wd = wd != 0.0
     use_denom = True
