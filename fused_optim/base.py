@@ -248,25 +248,26 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         out = []
         for group, bucket in work:
             step = bucket.step + 1
-            key = (id(group), step)
-            hyper = memo.get(key)
+            checked = self._checked_groups.get(id(group))
+            hyper = checked[3].hyper if checked is not None else None  # the same at every step
             if hyper is None:
-                checked = self._checked_groups.get(id(group))
-                hyper = checked[3].hyper if checked is not None else None
+                key = (id(group), step)
+                hyper = memo.get(key)
                 if hyper is None:
-                    hyper = self._hyper(group, step)
-                memo[key] = hyper
-                self._note_hyper(group, step, hyper)
+                    hyper = memo[key] = self._hyper(group, step)
+            self._note_hyper(group, step, hyper)
             out.append(hyper)
         return out
 
     def _note_hyper(self, group: Dict[str, Any], step: int, hyper: rules.AdamHyper) -> None:
-        """Called once per (group, step) with the hyperparameters the step uses."""
+        """Called for every bucket with the hyperparameters its step uses."""
 
 
     def _noop_flag(self, device: torch.device) -> torch.Tensor:
         """A zero flag per device (the optimizer never asks a kernel to set it)."""
-        flags = self.__dict__.setdefault("_noop_flags", {})
+        flags = self.__dict__.get("_noop_flags")
+        if flags is None:
+            flags = self.__dict__["_noop_flags"] = {}
         flag = flags.get(device)
         if flag is None:
             flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)

@@ -177,7 +177,10 @@ class _GroupPlan:
             return False
         if self.present is not None and self.present != _present(grads):
             return False
-        return all(b.bind(grads) for b in self.buckets)
+        for bucket in self.buckets:
+            if not bucket.bind(grads):
+                return False
+        return True
 
 
 def _present(grads) -> tuple:

@@ -114,6 +114,11 @@ def print_in_cache(res: Dict[str, object]) -> None:
         print(f"   {name:<15} {r['step_s'] * 1e6:>9.2f} {r['ns_per_elem_core']:>13.3f} "
               f"{_fmt(r['marginal_ns_per_elem_core'], '.3f'):>12} "
               f"{_fmt(r['fixed_overhead_us'], '.2f'):>9}  {r['description']}")
+    ours = res["peers"].get("ours", {})
+    if ours.get("tiny_step_us") is not None:
+        print(f"   fixed cost: a 16-element FusedEmaAdamW step {ours['tiny_step_us']:.2f} us, torch's "
+              f"Optimizer.step wrapper alone {ours['wrapper_step_us']:.2f} us "
+              f"(+{ours['fixed_over_wrapper_us']:.2f} us)")
     for t in res["targets"]:
         print(f"   target: {t['what']} {t['target']} -> {_fmt(t['actual'], '.3f', 'n/a')} "
               f"({_met(t['met'])})")
