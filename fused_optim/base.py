@@ -73,8 +73,9 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
             raise ValueError(f"{type(self).__name__}: max_grad_norm must be > 0, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Optional[torch.Tensor] = None
-        # id(group) -> (ids, values, group, _GroupOptions), or None for options that change in place
-        self._checked_groups: Dict[int, Optional[tuple]] = {}
+        # id(group) -> its checked options (planning._GroupOptions), or None for options that
+        # change in place
+        self._checked_groups: Dict[int, Optional[Any]] = {}
         self._chunk_size = chunk_size
         if not fused_unscale:
             # GradScaler then unscales the grads itself before step() (what frameworks that clip
@@ -248,8 +249,8 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         out = []
         for group, bucket in work:
             step = bucket.step + 1
-            checked = self._checked_groups.get(id(group))
-            hyper = checked[3].hyper if checked is not None else None  # the same at every step
+            options = self._checked_groups.get(id(group))
+            hyper = options.hyper if options is not None else None  # the same at every step
             if hyper is None:
                 key = (id(group), step)
                 hyper = memo.get(key)

@@ -63,8 +63,10 @@ class ClippingMixin:
         if self.max_grad_norm is None or not work:
             return False, grad_scale, skip_flag
         norm = self._grad_norm(work)
-        if grad_scale is not None:
-            norm = norm / grad_scale.to(device=norm.device, dtype=torch.float64)
+        scale = (None if grad_scale is None
+                 else grad_scale.to(device=norm.device, dtype=torch.float64))
+        if scale is not None:
+            norm = norm / scale
         self.last_grad_norm = norm
         on_device = (all(b.device_steps for _, b in work)
                      and any(g.get("capturable") for g, _ in work))
@@ -77,9 +79,7 @@ class ClippingMixin:
             return True, None, skip_flag
         # (a non-finite norm gives a NaN factor here: only on the device path, which skips)
         clip = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-        scale = 1.0 if grad_scale is None else grad_scale.to(device=norm.device,
-                                                               dtype=torch.float64)
-        return False, (scale / clip).to(torch.float32), skip_flag
+        return False, ((1.0 if scale is None else scale) / clip).to(torch.float32), skip_flag
 
     def _grad_norm(self, work) -> torch.Tensor:
         """The global L2 norm of the bound grads (as they are, scaled or not), in fp64: one

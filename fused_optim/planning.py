@@ -149,14 +149,18 @@ class _GroupOptions:
     """What a param group's options mean for its steps, worked out once per change of an option
     (when :meth:`FusedOptimizerBase._ensure_checked` checks them), not at every step.
 
-    ``signature``: what the bound lists depend on (a change re-plans); ``hyper``: the group's
+    ``key``: the ids of the option values checked, and ``values`` the values themselves, kept
+    alive so that no other object takes one of those ids; ``signature``: what the bound lists
+    depend on (a change re-plans); ``hyper``: the group's
     :class:`~multi_tensor.rules.AdamHyper`, the same at every step, or None where it depends on
     the step (an EMA schedule) and is made per step.
     """
 
-    __slots__ = ("signature", "hyper")
+    __slots__ = ("key", "values", "signature", "hyper")
 
-    def __init__(self, signature, hyper: Optional[rules.AdamHyper]):
+    def __init__(self, key: tuple, values: tuple, signature, hyper: Optional[rules.AdamHyper]):
+        self.key = key
+        self.values = values
         self.signature = signature
         self.hyper = hyper
 
@@ -246,8 +250,8 @@ class PlanningMixin:
         are worked out at every step)."""
         key = tuple(map(id, group.values()))
         checked = self._checked_groups.get(id(group))
-        if checked is not None and checked[0] == key:
-            return checked[3]
+        if checked is not None and checked.key == key:
+            return checked
         self._check_group(group)
         mutable = any(_changes_in_place(v) for k, v in group.items() if k != "params")
         if mutable:
@@ -257,9 +261,12 @@ class PlanningMixin:
         # a tensor option (an lr on the device) is read at every step, as torch reads it
         constant = not step_dependent and not any(
             _holds_tensor(v) for k, v in group.items() if k != "params")
-        options = _GroupOptions((self._plan_signature(group), step_dependent),
+        # the values are kept alive, so no other object takes their ids: a new group that gets
+        # a freed group's id still differs from it in its params list (a value of its own)
+        options = _GroupOptions(key, tuple(group.values()),
+                                (self._plan_signature(group), step_dependent),
                                 self._hyper(group, 1) if constant else None)
-        self._checked_groups[id(group)] = (key, tuple(group.values()), group, options)
+        self._checked_groups[id(group)] = options
         return options
 
     def _plan(self, group: Dict[str, Any], grads: List[Optional[torch.Tensor]],

@@ -46,9 +46,17 @@ def bucket_key(param: torch.Tensor, grad: torch.Tensor, *, master: bool, step: O
     return (param.device, param.dtype, grad.dtype, bool(master), step, layout)
 
 
-def _key(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool) -> tuple:
-    return (spec.name, chunk_size, once, lists.has_master) + tuple(
+def _cached(backend, spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int,
+            once: bool):
+    """``(key, the cached bucket or None)``: the key is the backend, the op, the chunk size and
+    the identity of every state tensor."""
+    key = (backend.name, spec.name, chunk_size, once, lists.has_master) + tuple(
         tuple(map(id, tensors)) for name, tensors in lists.present() if name != "grads")
+    with _cache_lock:
+        bucket = _cache.get(key)
+        if bucket is not None:
+            _cache.move_to_end(key)
+    return key, bucket
 
 
 def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: int,
@@ -56,11 +64,7 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
     """A prepared bucket of checked ``lists`` (grads bound), reused across calls on the same
     state tensors. ``once``: the caller's tensors must stay where they are (see
     :meth:`Backend.prepare_bucket`)."""
-    key = (backend.name,) + _key(spec, lists, chunk_size, once)
-    with _cache_lock:
-        bucket = _cache.get(key)
-        if bucket is not None:
-            _cache.move_to_end(key)
+    key, bucket = _cached(backend, spec, lists, chunk_size, once)
     # (a cached bucket's every state tensor must still be where it was bound: the caller's
     # lists are new each call, and bind itself checks the state only when the grads move)
     if (bucket is None or (hasattr(bucket, "state_moved") and bucket.state_moved())
@@ -92,11 +96,7 @@ def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, onc
         backend = registry.backend_for(spec.name, params[0].device)
     except NotImplementedError:
         return None
-    key = (backend.name,) + _key(spec, lists, chunk_size, once)
-    with _cache_lock:
-        bucket = _cache.get(key)
-        if bucket is not None:
-            _cache.move_to_end(key)
+    _, bucket = _cached(backend, spec, lists, chunk_size, once)
     if bucket is None or not hasattr(bucket, "bind_unchanged"):
         return None
     return bucket if bucket.bind_unchanged(lists.grads) else None
@@ -116,13 +116,11 @@ def run_adam(spec: schema.OpSpec, lists: schema.AdamLists, hyper: rules.AdamHype
     checked them already), its backend resolved, a prepared bucket reused or made, run with
     the scalars of update number ``step``. ``bucket``: the bound bucket :func:`unchanged` found
     for these lists."""
-    if bucket is not None:
-        bucket.run(noop_flag, rules.step_scalars(hyper, step), grad_scale, bool(check_finite))
-        return
-    if not checked:
-        schema.check_adam_lists(spec, lists)
-    if not lists.params:
-        return
-    backend = schema.backend_for_lists(spec, lists.present())
-    bucket = prepared(spec, lists, backend, chunk_size)
+    if bucket is None:
+        if not checked:
+            schema.check_adam_lists(spec, lists)
+        if not lists.params:
+            return
+        backend = schema.backend_for_lists(spec, lists.present())
+        bucket = prepared(spec, lists, backend, chunk_size)
     bucket.run(noop_flag, rules.step_scalars(hyper, step), grad_scale, bool(check_finite))

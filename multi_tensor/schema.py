@@ -70,10 +70,6 @@ class AdamLists:
     def weights(self) -> Sequence[torch.Tensor]:
         return self.masters if self.masters is not None else self.params
 
-    @property
-    def rows(self) -> int:
-        return len(self.params)
-
     def present(self) -> Iterator[Tuple[str, Sequence[torch.Tensor]]]:
         """``(name, list)`` for every list that is there, in field order."""
         for name in self.FIELDS:
@@ -156,18 +152,16 @@ def adam_op(rule: str, ema: bool) -> OpSpec:
     return OPS["fused_ema_adamw" if ema else "adam"]
 
 
-def check_adam_lists(spec: OpSpec, lists: AdamLists, *, grads: bool = True) -> None:
-    """Check an Adam-family bucket's named lists against ``spec``; raises naming the tensor.
-
-    ``grads=False``: the lists a bucket is prepared with (no grads yet).
-    """
+def check_adam_lists(spec: OpSpec, lists: AdamLists) -> None:
+    """Check an Adam-family bucket's named lists (grads included) against ``spec``; raises
+    naming the tensor."""
     op = spec.api_name
     if not isinstance(lists, AdamLists):
         raise TypeError(f"{op}: expected AdamLists, got {type(lists).__name__}")
     if spec.ema != lists.has_ema:
         raise ValueError(f"{op}: this op {'keeps' if spec.ema else 'keeps no'} EMA, so emas must "
                          f"{'be a list' if spec.ema else 'be None'}")
-    present = [(name, ts) for name, ts in lists.present() if grads or name != "grads"]
+    present = list(lists.present())
     names = tuple(name for name, _ in present)
     tensor_lists = [ts for _, ts in present]
     validation.check_list_of_lists(op, tensor_lists)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .. import rules
+from . import registry
 from .triton_kernels import (BLOCK, COMPILE_OPTIONS, DTYPE_CODE, F32,
                              F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
                              _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
@@ -181,8 +182,7 @@ class AdamBucket:
         emas = lists.emas or []
         self.e_dt = DTYPE_CODE[emas[0].dtype] if emas else self.s_dt
         self.math = torch.float64 if self.p_dt == F64 else torch.float32
-        self._grad_dtypes = ((torch.float64,) if self.p_dt == F64
-                             else (torch.float16, torch.bfloat16, torch.float32))
+        self._grad_dtypes = registry.grad_dtypes(params[0].dtype if params else None)
         self._sizes = [p.size() for p in params]
         self._spare: List[torch.Tensor] = []
         self._grads = None
