@@ -264,6 +264,59 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         """Called for every bucket with the hyperparameters its step uses."""
 
 
+    # --- zero_grad ----------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``, keeping flat grad buffers.
+
+        Params whose ``.grad`` a backend keeps as a view of one flat buffer (the NPU backend's
+        buckets, :class:`multi_tensor.backends.flat.FlatGrads`) keep that view: the buffer is
+        zeroed, one launch per bucket. With ``set_to_none=True`` such a param then counts as
+        having no grad until backward accumulates one into it: ``step()`` skips it as torch skips
+        a ``None`` grad (its ``.grad`` reads as a zero tensor, not None). Every other param:
+        as torch.
+        """
+        keepers = self._grad_keepers_now()
+        if not keepers:
+            super().zero_grad(set_to_none=set_to_none)
+            return
+        if not hasattr(self, "_zero_grad_profile_name"):
+            self._patch_step_function()
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+            kept = {id(p) for keeper in keepers for p in keeper.zero(set_to_none)}
+            rest = [p for group in self.param_groups for p in group["params"]
+                    if id(p) not in kept and p.grad is not None]
+            if set_to_none:
+                for p in rest:
+                    p.grad = None
+                return
+            per_device_and_dtype: Dict[tuple, List[torch.Tensor]] = {}
+            for p in rest:  # as torch: detached, then zeroed
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                if p.grad.is_sparse:
+                    p.grad.zero_()
+                else:
+                    per_device_and_dtype.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for grads in per_device_and_dtype.values():
+                torch._foreach_zero_(grads)
+
+    def _grad_keepers_now(self) -> list:
+        """The flat grad buffers that keep grads of this optimizer's params: those of the
+        current plans' buckets and those zeroed before that still keep some (a param left out of
+        a re-built plan keeps its view there). Remembered for ``step()``'s grad collection."""
+        found = {id(k): k for k in self.__dict__.get("_grad_keepers") or ()}
+        for plan in self._plans.values():
+            for bucket in plan.buckets:
+                for prepared in (bucket.prepared, bucket.ema_free):
+                    keeper = getattr(prepared, "grad_keeper", None)
+                    if keeper is not None:
+                        found[id(keeper)] = keeper
+        keepers = [k for k in found.values() if k.owns()]
+        self.__dict__["_grad_keepers"] = keepers
+        return keepers
+
     def _noop_flag(self, device: torch.device) -> torch.Tensor:
         """A zero flag per device (the optimizer never asks a kernel to set it)."""
         flags = self.__dict__.get("_noop_flags")

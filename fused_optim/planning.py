@@ -59,7 +59,7 @@ class _Bucket:
     __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device_step", "device",
                  "complex",
                  "device_steps", "grads", "ema_free", "every", "active", "layout",
-                 "local_params", "_step_host")
+                 "local_params", "_step_host", "_flag_optional")
 
     def __init__(self, rows: Optional[List[int]], params, prepared, step: int, device_steps: bool,
                  ema_free=None, every: int = 1, layout=None):
@@ -89,6 +89,9 @@ class _Bucket:
         self.ema_free = ema_free
         self.every = every
         self.active = prepared        # what this step runs: prepared, or ema_free
+        # a host-step bucket whose backend takes noop_flag=None gets None: the optimizer never
+        # sets its flag, and a flag would be read on the host at every step
+        self._flag_optional = getattr(prepared, "noop_flag_optional", False)
 
     def exact_step(self) -> int:
         """The number of updates done (the device counter's, which skipped steps do not
@@ -136,7 +139,8 @@ class _Bucket:
             self.step_tensor.copy_(self.device_step)
             self.step += 1
         else:
-            self.active.run(noop_flag, rules.step_scalars(hyper, self.step + 1), scale, False)
+            self.active.run(None if self._flag_optional else noop_flag,
+                            rules.step_scalars(hyper, self.step + 1), scale, False)
             self.step += 1
             if self._step_host is not None:
                 self._step_host[()] = self.step
@@ -187,6 +191,16 @@ class _GroupPlan:
         return True
 
 
+def _without_absent(params, grads, keepers) -> list:
+    """``grads`` with None for every param whose ``.grad`` is a flat buffer's zero view that
+    received no grad since ``zero_grad`` (:meth:`multi_tensor.backends.flat.FlatGrads.absent`):
+    such a param is skipped, as torch skips a param whose grad is None."""
+    absent = {id(p) for keeper in keepers for p in keeper.absent()}
+    if not absent:
+        return grads
+    return [None if id(p) in absent else g for p, g in zip(params, grads)]
+
+
 def _present(grads) -> tuple:
     return tuple(i for i, g in enumerate(grads) if g is not None)
 
@@ -232,6 +246,9 @@ class PlanningMixin:
         """A group's buckets for this step: options checked (the plan depends on them), planned,
         grads bound."""
         grads = [p.grad for p in group["params"]]
+        keepers = self.__dict__.get("_grad_keepers")
+        if keepers:
+            grads = _without_absent(group["params"], grads, keepers)
         options = self._ensure_checked(group) if any(g is not None for g in grads) else None
         return self._plan(group, grads, options).buckets
 

@@ -24,6 +24,19 @@ the three ways a list of tensors can sit in one.
     complex state, tensor subclasses, tensors that require grad, a caller's tensors in a
     one-shot functional call) are copied in before and out after every run.
 
+* Params: :func:`can_repoint_param` / :func:`repoint_params` move autograd params into one flat
+  buffer (``p.data = view``, the same object keeps its identity, ``requires_grad`` and hooks),
+  as torch_npu's combined-buffer fused optimizers do (``npu_combine_tensors``, which re-points
+  each tensor with ``npu_change_data_ptr``: torch_npu/optim/npu_fused_optim_base.py). Only a
+  contiguous leaf param whose storage nothing else holds (or that is in a buffer of ours) is
+  moved: a param that shares its storage with another tensor (Megatron's buffers, a tensor made
+  from its ``.data``, a held ``state_dict()``) would stop sharing it.
+* Grads: :class:`FlatGrads` makes every param's ``.grad`` a view of one flat grad buffer.
+  Backward's ``AccumulateGrad`` adds in place into a ``.grad`` that exists (``grad += new``
+  outside ``create_graph``), so the views survive backward and the buffer *is* the bucket's flat
+  grad; the optimizer's ``zero_grad`` zeroes the buffer and keeps the views. Which params
+  received a grad since then is marked on the host by a post-accumulate-grad hook per param.
+
 Decision: this is an engine *capability*, not an NPU detail: nothing here knows about a device,
 an op or a rule, and any backend may call it. It is used only by the NPU backend
 (:mod:`multi_tensor.backends.npu`) and deliberately *not* wired into the CPU or GPU backends:
@@ -48,11 +61,15 @@ Costs, documented where users meet them (docs/npu.md):
 """
 from __future__ import annotations
 
+import functools
+import operator
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 try:  # a weak reference to a storage, that knows when the storage is gone
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -316,3 +333,180 @@ class FlatList:
 
 def _distinct(tensors: Sequence[torch.Tensor]) -> bool:
     return len({id(t) for t in tensors}) == len(tensors)
+
+
+def is_ours(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in a buffer :func:`allocate` made that is still alive."""
+    with _owned_lock:
+        entry = _owned.get(_storage_key(t))
+    return entry is not None and not entry[0].expired()
+
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether no tensor but ``t`` holds its storage (False where torch cannot tell)."""
+    if _storage_use_count is None:
+        return False
+    storage = t.untyped_storage()
+    return _storage_use_count(storage._cdata) <= 2  # t's reference and ``storage``'s own
+
+
+def can_repoint_param(p: torch.Tensor) -> bool:
+    """Whether the param ``p`` may be moved into a flat buffer (:func:`repoint_params`).
+
+    An autograd leaf that requires grad (a DTensor's local shard, a real view of a complex
+    param, a tensor subclass do not qualify), contiguous (a param in channels-last keeps its
+    strides), whose storage nothing else holds, or that already lives in a buffer of ours.
+    """
+    return (type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_leaf and p.requires_grad
+            and not p._is_view() and p.layout == torch.strided and not p.is_meta
+            and p.is_contiguous() and (_sole_owner(p) or is_ours(p)))
+
+
+def repoint_params(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
+    """Copy every param's values into its view (once), then make the param use the view."""
+    with torch.no_grad():
+        copy_all(views, params)
+        for p, v in zip(params, views):
+            p.data = v
+
+
+# param -> [marks, index]: where its post-accumulate-grad hook marks "received a grad". One hook
+# per param for the life of the process; a new FlatGrads taking the param re-aims the cell.
+_grad_cells = WeakIdKeyDictionary()
+# storage key of a FlatGrads buffer -> the FlatGrads (found again by a re-built plan's bucket)
+_keepers: "weakref.WeakValueDictionary[int, FlatGrads]" = weakref.WeakValueDictionary()
+
+
+def _mark(cell: list, param: torch.Tensor) -> None:
+    marks = cell[0]
+    if marks is not None:
+        marks[cell[1]] = 1
+
+
+def _claim(p: torch.Tensor, marks: bytearray, index: int) -> list:
+    cell = _grad_cells.get(p)
+    if cell is None:
+        cell = [marks, index]
+        p.register_post_accumulate_grad_hook(functools.partial(_mark, cell))
+        _grad_cells[p] = cell
+    else:
+        cell[0], cell[1] = marks, index
+    return cell
+
+
+class FlatGrads:
+    """The ``.grad`` of every param of a bucket as a view of one flat buffer (see the module
+    docstring).
+
+    Made from the bucket's params and their current grads (one dtype, the values copied in
+    once); ``buffer`` then holds every grad backward accumulates. ``marks[i]``: param ``i``
+    received a grad since the last :meth:`zero` (set by its post-accumulate-grad hook, or by
+    :meth:`zero` with ``set_to_none=False``, after which every param has a zero grad, as torch's
+    ``zero_grad(set_to_none=False)`` leaves it). A param whose ``.grad`` is still its view but
+    is not marked has, for torch's semantics, no grad: :meth:`absent` lists them.
+    """
+
+    __slots__ = ("params", "layout", "buffer", "views", "marks", "_cells", "__weakref__")
+
+    def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                 layout: FlatLayout):
+        self.params = list(params)
+        self.layout = layout
+        self.buffer = allocate(layout, grads[0].dtype, grads[0].device)
+        self.views = layout.views(self.buffer)
+        with torch.no_grad():
+            copy_all(self.views, grads)
+        self.marks = bytearray(b"\x01") * len(self.params)
+        for p, v in zip(self.params, self.views):
+            p.grad = v
+        self._cells = [_claim(p, self.marks, i) for i, p in enumerate(self.params)]
+        with _owned_lock:
+            _keepers[_storage_key(self.buffer)] = self
+
+    @staticmethod
+    def eligible(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+        """Whether ``grads`` (each param's own ``.grad``) may become views of one buffer: the
+        params are autograd leaves (backward accumulates into their ``.grad``), the grads plain
+        dense tensors of their own, or views of a buffer of ours (never someone else's grad
+        buffer: DDP's bucket views, Megatron's buffers stay as they are)."""
+        if not params:
+            return False
+        for p, g in zip(params, grads):
+            if not (type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_leaf
+                    and p.requires_grad and not p._is_view() and p.grad is g):
+                return False
+            if not (type(g) is torch.Tensor and g.layout == torch.strided
+                    and not g.requires_grad and (not g._is_view() or is_ours(g))):
+                return False
+        return True
+
+    @staticmethod
+    def of(grads: Sequence[torch.Tensor], layout: FlatLayout) -> Optional["FlatGrads"]:
+        """The FlatGrads whose views ``grads`` are, in ``layout``, else None."""
+        if not grads:
+            return None
+        with _owned_lock:
+            keeper = _keepers.get(_storage_key(grads[0]))
+        if keeper is not None and keeper.layout == layout and keeper.serves(grads):
+            return keeper
+        return None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    def serves(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Whether ``grads`` are exactly this buffer's views (identity, no tensor is read)."""
+        return len(grads) == len(self.views) and all(map(operator.is_, grads, self.views))
+
+    def take(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The buffer, holding ``grads`` (of its dtype): grads that are not its views (a
+        ``.grad`` assigned by the user) are copied into their views, one multi-tensor copy."""
+        if not self.serves(grads):
+            pairs = [(v, g) for v, g in zip(self.views, grads) if g is not v]
+            copy_all([v for v, _ in pairs], [g for _, g in pairs])
+        return self.buffer
+
+    def owns(self) -> List[torch.Tensor]:
+        """The params whose grad this buffer keeps (a later FlatGrads may have taken some)."""
+        return [p for p, cell in zip(self.params, self._cells) if cell[0] is self.marks]
+
+    def absent(self) -> List[torch.Tensor]:
+        """The params whose ``.grad`` is still their view and that received no grad since
+        :meth:`zero` (torch would hold ``None`` there)."""
+        marks = self.marks
+        if 0 not in marks:
+            return []
+        return [p for p, v, cell, m in zip(self.params, self.views, self._cells, marks)
+                if not m and cell[0] is marks and p.grad is v]
+
+    def zero(self, set_to_none: bool = True) -> List[torch.Tensor]:
+        """Zero the buffer (one launch), give every param it keeps its view back as ``.grad``,
+        and mark the params: none has a grad (``set_to_none``) or every one a zero grad.
+
+        Returns the params kept. A param that no longer fits its view (reallocated with another
+        shape, dtype or device) is let go: the caller clears its grad as torch would, and the
+        next plan takes it again."""
+        self.buffer.zero_()
+        marks = self.marks
+        kept = []
+        for p, v, cell in zip(self.params, self.views, self._cells):
+            if cell[0] is not marks:
+                continue
+            if p.grad is not v:
+                if not _fits(p, v):
+                    cell[0] = None
+                    continue
+                p.grad = v
+            kept.append(p)
+        marks[:] = (b"\x00" if set_to_none else b"\x01") * len(marks)
+        return kept
+
+
+def _fits(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``grad`` may be assigned as ``p.grad`` (torch's own check of the assignment)."""
+    return (p.shape == grad.shape and p.device == grad.device
+            and (p.dtype == grad.dtype or getattr(p, "grad_dtype", None) == grad.dtype))

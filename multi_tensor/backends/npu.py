@@ -106,6 +106,10 @@ documents no size limit, this keeps any 32-bit element index inside the kernel s
 TORCH_PATH_SLICE = 2 ** 26
 """Elements per slice on the torch path (bounds its temporaries; elementwise, so exact)."""
 
+FLAT_GRADS_ENV = "MULTI_TENSOR_NPU_FLAT_GRADS"
+"""``0``: an optimizer's NPU buckets leave ``.grad`` alone (gathered per step, ``zero_grad`` as
+torch's); ``1`` or unset (the default): grads become views of one flat buffer per bucket."""
+
 _mode_lock = threading.Lock()
 _mode: List[str] = [os.environ.get("MULTI_TENSOR_NPU_OP", "") or "torch"]
 _warned: set = set()
@@ -140,6 +144,15 @@ def op_mode(mode: str) -> Iterator[None]:
     finally:
         with _mode_lock:
             _mode[0] = previous
+
+
+def flat_grads_enabled() -> bool:
+    """Whether optimizer buckets keep their grads in flat buffers (:data:`FLAT_GRADS_ENV`)."""
+    value = os.environ.get(FLAT_GRADS_ENV, "") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{FLAT_GRADS_ENV}={value!r}: choose 1 (grads as views of one flat "
+                         f"buffer per bucket, the default) or 0 (grads left as they are)")
+    return value == "1"
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -254,12 +267,18 @@ class FlatAdamBucket:
     """One bucket of an Adam-family op in flat buffers (see the module docstring).
 
     ``lists``: a :class:`~multi_tensor.schema.AdamLists` without grads. ``repoint``: re-point
-    the state tensors at their views (the optimizer's plans); False copies them in and out per
-    run (a one-shot functional call on the caller's tensors).
+    the state tensors, the params and their grads at views of flat buffers (the optimizer's
+    plans); False copies the caller's tensors in and out per run (a one-shot functional call).
 
     Diagnostics: ``last_path`` ("torch"/"cann"/"cann_literal"/None when nothing ran),
-    ``last_reason`` (why the torch path ran in a cann mode), ``stats`` (counters).
+    ``last_reason`` (why the torch path ran in a cann mode), ``stats`` (counters),
+    ``grad_keeper`` (the :class:`~multi_tensor.backends.flat.FlatGrads` of the params' grads, or
+    None).
     """
+
+    noop_flag_optional = True
+    """``run`` takes ``noop_flag=None`` (nothing can cancel the step): the optimizer, whose flag
+    is never set, passes None, so that its steps read nothing on the host."""
 
     @torch.no_grad()
     def __init__(self, op: str, lists, chunk_size: int, device_op: DeviceOp, *,
@@ -289,11 +308,20 @@ class FlatAdamBucket:
                        for name in state_names]
 
         adopted = flat.FlatLayout.of_views(params) if params else None
-        self.layout = (adopted or flat.owned_layout(lists.exp_avgs)
+        self.layout = (adopted or flat.owned_layout(lists.exp_avgs) or flat.owned_layout(params)
                        or flat.FlatLayout.packed(self.shapes, flat.align_elements(dtypes)))
-        # params that tile one buffer: that buffer (read and written in place / in one copy)
+        # params that tile one buffer (Megatron's, or ours from an earlier plan): that buffer
+        # (read and written in place / in one copy)
         self.param_region = (flat.alias(params, self.layout, self.param_dtype, self.device)
-                             if adopted is not None else None)
+                             if params else None)
+        self.stats = {"runs": 0, "skipped": 0, "torch": 0, "cann": 0, "launches": 0,
+                      "grad_gathers": 0, "grad_alias": 0, "param_copies": 0, "prepare_copies": 0}
+        if (self.param_region is None and repoint and params and flat._distinct(params)
+                and all(flat.can_repoint_param(p) for p in params)):
+            region = flat.allocate(self.layout, self.param_dtype, self.device)
+            flat.repoint_params(params, self.layout.views(region))
+            self.param_region = region
+            self.stats["param_copies"] += 1
         self._param_ptrs = ([p.data_ptr() for p in params] if self.param_region is not None
                             else None)
         moments = [flat.FlatList.adopt(getattr(lists, name), self.layout, dt, self.device,
@@ -313,13 +341,15 @@ class FlatAdamBucket:
             self.weights = flat.FlatList.adopt(params, self.layout, self.work_dtype, self.device,
                                                repoint_ok=False)
         self._grad_buffers: Dict[torch.dtype, Tuple[torch.Tensor, List[torch.Tensor]]] = {}
+        # the grads' flat buffer, made (or found) at the first run; only for the optimizer's
+        # buckets, whose params' .grad it may re-point
+        self.grad_keeper: Optional[flat.FlatGrads] = None
+        self._keeps_grads = repoint and flat_grads_enabled()
         self._step_one: Optional[torch.Tensor] = None
         self._grads = None
         self.last_path: Optional[str] = None
         self.last_reason: Optional[str] = None
-        self.stats = {"runs": 0, "skipped": 0, "torch": 0, "cann": 0, "launches": 0,
-                      "grad_gathers": 0, "grad_alias": 0,
-                      "prepare_copies": sum(1 for fl in moments if fl.copied)}
+        self.stats["prepare_copies"] = sum(1 for fl in moments if fl.copied)
 
     # --- per step -----------------------------------------------------------------------------
     def bind(self, grads) -> bool:
@@ -340,11 +370,14 @@ class FlatAdamBucket:
         self.last_path = None
         if not grads or self.layout.total == 0:
             return
-        if reference._noop_is_set(noop_flag):
+        path, reason = self._choose(scalars, grad_scale, self._grad_dtype(grads[0].dtype))
+        # an apex call's noop_flag (the optimizer passes None): read on the host, once; the
+        # CANN path's finite check reads it together with its own result instead
+        if (noop_flag is not None and not (check_finite and path != "torch")
+                and reference._noop_is_set(noop_flag)):
             self.stats["skipped"] += 1
             return
         g_flat, owned = self._gather(grads)
-        path, reason = self._choose(scalars, grad_scale, g_flat.dtype)
         if not self.has_master:  # masters are in self.state
             self.weights.stage_in()
         for fl in self.state:
@@ -384,20 +417,45 @@ class FlatAdamBucket:
     def _gather(self, grads) -> Tuple[torch.Tensor, bool]:
         """The flat grads in the update's dtype: ``(tensor, owned)``; owned buffers may be written."""
         dtype = self._grad_dtype(grads[0].dtype)
-        if self.layout.gap_free:
-            region = flat.alias(grads, self.layout, grads[0].dtype, self.device, writable=False)
-            if region is not None:
-                if region.dtype == dtype:
-                    self.stats["grad_alias"] += 1
-                    return region, False
-                buf, _ = self._grad_buffer(dtype)  # one buffer, one converting copy
-                buf.copy_(region)
-                self.stats["grad_gathers"] += 1
-                return buf, True
+        region = self._grad_region(grads)
+        if region is not None:
+            if region.dtype == dtype:
+                self.stats["grad_alias"] += 1
+                return region, False
+            buf, _ = self._grad_buffer(dtype)  # one buffer, one converting copy
+            buf.copy_(region)
+            self.stats["grad_gathers"] += 1
+            return buf, True
         buf, views = self._grad_buffer(dtype)
         flat.copy_all(views, grads)
         self.stats["grad_gathers"] += 1
         return buf, True
+
+    def _grad_region(self, grads) -> Optional[torch.Tensor]:
+        """One flat tensor holding ``grads`` without a copy per param, else None.
+
+        The optimizer's buckets: the grads' :class:`~multi_tensor.backends.flat.FlatGrads`
+        buffer, made at the first run (the grads' values copied in once, each ``.grad``
+        re-pointed at its view) or found again (a re-built plan, the EMA-free twin of an
+        ``ema_update_every`` bucket); grads a user assigned since are copied into it, one copy of
+        one dtype. Otherwise a gap-free buffer the grads already are views of (Megatron's).
+        """
+        keeper = self.grad_keeper
+        if keeper is None and self._keeps_grads:
+            keeper = flat.FlatGrads.of(grads, self.layout)
+            if keeper is None and flat.FlatGrads.eligible(self.params, grads):
+                keeper = flat.FlatGrads(self.params, grads, self.layout)  # copies them in
+                self.stats["grad_gathers"] += 1
+                grads = keeper.views
+            self._keeps_grads = keeper is not None
+            self.grad_keeper = keeper
+        if keeper is not None and keeper.dtype == grads[0].dtype:
+            if not keeper.serves(grads):
+                self.stats["grad_gathers"] += 1
+            return keeper.take(grads)
+        if self.layout.gap_free:
+            return flat.alias(grads, self.layout, grads[0].dtype, self.device, writable=False)
+        return None
 
     def _choose(self, c: StepScalars, grad_scale, grad_dtype) -> Tuple[str, Optional[str]]:
         mode = get_op_mode()
@@ -458,11 +516,14 @@ class FlatAdamBucket:
             one = torch.ones((), dtype=dt, device=self.device)
             inv = (one / grad_scale.reshape(()).to(device=self.device, dtype=dt)
                    if grad_scale is not None else one)
-            if check_finite:  # one launch: check and unscale
+            if check_finite:  # one launch: check and unscale; the one host read of the step
                 found = torch.zeros(1, dtype=torch.float32, device=self.device)
+                if noop_flag is not None and noop_flag.numel():  # the apex flag, read with it
+                    found.copy_(noop_flag.reshape(-1)[:1])
                 torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv.reshape(1))
                 if bool(found.item() != 0):
-                    noop_flag.fill_(1)
+                    if noop_flag is not None:
+                        noop_flag.fill_(1)
                     return False
             else:
                 g.mul_(inv)
