@@ -55,6 +55,10 @@ Costs, documented where users meet them (docs/npu.md):
 * Re-flattening (a param without a grad this step makes a smaller bucket) copies the bucket's
   state into new buffers; the state of the params left out stays in the old buffer, which lives
   until none of its views is left.
+* Moved params and kept grads are views too: ``torch.save`` of one param (or of one grad)
+  writes its whole buffer; ``p.grad`` after the optimizer's ``zero_grad`` is a zero view, not
+  None (the optimizer still skips a param that received no grad since). A param left out of a
+  re-built plan keeps its grad view in the old grad buffer, which lives until no param keeps it.
 * Padding: each view starts at a multiple of :data:`ALIGN_BYTES` (512 bytes: 128 fp32 elements),
   so a packed buffer is at most ``ALIGN_BYTES`` per tensor larger than the tensors. Padding is
   zero-filled once and, with zero grads, stays finite under an Adam update.

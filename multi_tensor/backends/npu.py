@@ -17,15 +17,28 @@ one launch):
   ``state_dict`` format. ``load_state_dict`` replaces the state tensors and clears the plans, so
   the next step simply flattens again. State that is already flat in this layout (a re-built
   plan) is used as is, without a copy.
-* **Params.** With fp32 masters the update runs on the flat masters and the params receive the
-  masters rounded once, in one multi-tensor copy (``torch._foreach_copy_``). Without masters the
-  params are the op's ``var``: gathered into a flat buffer and copied back per step, unless
-  they already tile one buffer without gaps (Megatron's param buffer: detected, then that buffer
-  *is* ``var`` and nothing is copied; a param reallocated later is noticed at the next ``bind``).
-* **Grads.** Gathered per step into a flat buffer of the update's dtype in one multi-tensor copy
-  (fp16/bf16 grads converted exactly into the fp32 buffer of fp32 masters), or - opt in by
-  laying them out that way - used in place when they already are views of one buffer in the
-  bucket's layout without gaps (Megatron-style grad buffers): no copy at all.
+* **Params.** An optimizer's bucket moves its params into one flat buffer of their dtype at
+  planning (values copied once, then ``p.data = view``: the same ``Parameter`` objects, as
+  torch_npu's combined-buffer fused optimizers re-point theirs), so that fp32 params without
+  masters *are* the op's ``var`` (no copy in or out) and with fp32 masters the params receive the
+  masters rounded once in one converting copy, flat buffer to flat buffer. Params that already
+  tile one buffer without gaps (Megatron's param buffer) are used in place. Not moved: params
+  whose storage something else holds (a view of them, a tensor made from their ``.data``), a
+  DTensor's local shard, the real view of a complex param, non-contiguous params, and the
+  caller's tensors of a one-shot apex call: those are copied in and out per step. A param
+  reallocated later (``p.data = new``, ``model.to()``) is noticed at the next ``bind``: re-plan.
+* **Grads.** At the bucket's first step its params' grads become views of one flat grad buffer
+  (:class:`~multi_tensor.backends.flat.FlatGrads`; the values copied in once) that backward
+  accumulates into in place, and the optimizer's ``zero_grad`` zeroes that buffer (one launch)
+  instead of dropping the grads. A param whose grad is still its zero view and that received no
+  grad since ``zero_grad(set_to_none=True)`` (a post-accumulate-grad hook marks the others, on
+  the host) is skipped by ``step()`` exactly as a ``None`` grad is; ``set_to_none=False`` leaves
+  every param a zero grad, which steps, as in torch. A grad assigned by the user (``p.grad = g``)
+  is copied into the buffer for that step (one copy of one dtype) and the next ``zero_grad`` gives
+  the view back. fp16/bf16 grads of fp32 masters are converted into one fp32 buffer, one copy.
+  ``MULTI_TENSOR_NPU_FLAT_GRADS=0`` leaves grads as they are (gathered per step). Grads that are
+  views of someone else's buffer (DDP's bucket views) are gathered per step; views of one such
+  buffer without gaps in the bucket's layout (Megatron-style grad buffers) are used in place.
 * **One launch.** The update is one call of CANN's fused EMA-Adam operator over the five flat
   buffers (MindSpeed's ``npu_apply_fused_ema_adamw`` when MindSpeed is installed, else a small
   binding, ``csrc/npu/fused_ema_adam.cpp``, compiled on first use by
@@ -66,8 +79,10 @@ once per step, as the reference does); grads whose dtype does not convert exactl
 update's dtype (fp32 grads of bf16 params without masters); a grad scale with fp16/bf16 state
 (unscaled grads would be rounded to fp16/bf16); chips without the operator (CANN ships it for
 Atlas A2/A3 and Ascend 950 only: :data:`SUPPORTED_CHIP_PREFIXES`); an operator that fails to
-load (warned once). ``noop_flag`` is read on the host once per step (one sync), as the
-reference does. The base class's device-step protocol (``run_device_step``: step counter and
+load (warned once). The optimizer's steps pass ``noop_flag=None`` (its flag is never set:
+``noop_flag_optional``), so a plain step reads nothing on the host; a one-shot apex call keeps
+apex's flag, read on the host once per call (on the CANN path with ``check_finite`` together with
+the finite check, in one read). The base class's device-step protocol (``run_device_step``: step counter and
 ``found_inf`` on the device, no sync) is not offered: CANN's operator has no skip flag, so an
 overflow step could not be skipped without reading the flag on the host.
 
