@@ -10,7 +10,7 @@ op of such a run and records what a 910B would do with it:
   every op whose schema returns only non-writing aliases of its inputs) and allocations
   (``empty*``) are free; ``zeros``/``ones``/``full``/``fill_``/``zero_`` write memory and are a
   launch each. Tensors made from Python scalars on the device (``aten.lift_fresh``, what
-  ``torch.tensor(x)`` dispatches) are host-to-device copies: one launch each.
+  ``torch.tensor(x, device=d)`` dispatches) are host-to-device copies: one launch each.
 * **torch_npu's foreach grouping.** A ``_foreach_*`` op (and
   ``_amp_foreach_non_finite_check_and_unscale_``) over ``n`` tensors is ``ceil(n / group)``
   launches when every tensor of every list argument has one dtype, and ``n`` launches otherwise.
@@ -38,11 +38,16 @@ op of such a run and records what a 910B would do with it:
   and ``out=`` arguments). Python scalars are not tensors and cost nothing.
 * **Host syncs.** ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``),
   ``aten.is_nonzero``, ``aten.equal``, ``Tensor.tolist()`` and ``Tensor.numpy()`` each read a
-  device value on the host. A copy into a host tensor is one too, when the model is told which
-  tensors are host ones (``host=``). On the stand-in every tensor is a CPU tensor and there is
-  no telling a host tensor from a device one, so the default treats all tensors as device
-  tensors: host reads are then exactly the scalar reads above, and every op on a CPU tensor
-  (a scalar tensor made on the host included) counts as a device op.
+  device value on the host. A copy into a host tensor is one too. Which tensors are host ones:
+  on the stand-in every tensor is a CPU tensor, so the model tells them apart by origin
+  (``host_born``, the default): a tensor made inside the model by a ``torch`` factory called
+  without ``device=`` (``torch.tensor(x)``: on an NPU machine it lives on the CPU, the default
+  device), and whatever is computed from such tensors alone, is a host tensor; its ops are host
+  work (no launch, no fp64 device op) and reading it is no sync. Every other tensor is a device
+  tensor (``host=`` adds a predicate). ``host_born=False`` treats all tensors as device tensors:
+  host reads are then only the scalar reads above, and a host-side scalar computation such as
+  ``reference.rounded`` (``torch.tensor(x, dtype=float64).to(float32).item()``) counts as an
+  H2D copy, an fp64 launch and a sync.
 * **fp64 ops.** A launch with an fp64 tensor among its inputs or outputs (the AI Core has no
   fp64: ``aclnnForeachSqrt`` rejects it, other fp64 ops fall back to the slow AI CPU). Python
   floats passed to ops are host scalars, not tensors, and are fine.
