@@ -48,3 +48,8 @@ def backend(request):
         pytest.skip(_why_not_registered(name))
     with forced_backend(name):
         yield name
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "npu_sim: the simulated Ascend 910B (multi_tensor/backends/npu_model.py)")
