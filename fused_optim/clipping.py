@@ -36,17 +36,21 @@ def _sum_over_shards(square: torch.Tensor, layout) -> torch.Tensor:
 class ClippingMixin:
     """The unscale factor and overflow of :class:`fused_optim.base.FusedOptimizerBase`'s step."""
 
-    @staticmethod
-    def _overflow(found_inf: Optional[torch.Tensor], work) -> tuple:
+    def _overflow(self, found_inf: Optional[torch.Tensor], work) -> tuple:
         """``(skip now, device flag)`` from GradScaler's ``found_inf`` on an accelerator.
 
         Read on the host, except when every bucket reads it on the device (device steps): then
-        it is handed to the kernels and nothing syncs.
+        it is handed to the kernels and nothing syncs. On devices without fp64 (the NPU) a
+        clipped step reads only its norm's finiteness: the grads GradScaler found non-finite
+        make that norm non-finite, so the one host read per step decides both.
         """
         if found_inf is None or found_inf.device.type == "cpu" or not work:
             return False, None
         if all(b.device_steps for _, b in work):
             return False, found_inf
+        if self.max_grad_norm is not None and not all(
+                registry.backend_for("l2norm", b.device).fp64 for _, b in work):
+            return False, None
         return bool(found_inf.item() != 0), None
 
     def _unscale_factor(self, work, skip_flag: Optional[torch.Tensor] = None) -> tuple:

@@ -18,9 +18,9 @@ reference. On a flat fp32 buffer: the product (one launch, written into ``dst``)
 order), deterministic and independent of how ``x`` is split into tensors:
 
 1. ``amax = max |x|`` (NaN propagates): the non-finite check, and a power-of-two scale ``S``
-   (``2^-80`` if ``amax > 2^40``, ``2^60`` if ``amax < 2^-30``, else 1) that keeps every square
-   of ``y = S x`` and their sum inside the fp32 range for up to 2^31 elements (exact: a power of
-   two).
+   (``2^-80`` if ``amax > 2^40``, ``2^120`` if ``amax < 2^-90``, ``2^60`` if ``amax < 2^-30``,
+   else 1) that keeps every square of ``y = S x`` and their sum inside the fp32 range for up to
+   2^31 elements, and the sum at least ``2^-80`` (exact: a power of two).
 2. The squares ``y*y`` (one rounding each) summed in fixed blocks of :data:`BLOCK` elements (a
    ``(n // BLOCK, BLOCK)`` view summed along its rows, plus the tail as one more block), the block
    sums summed again the same way, level after level, until one value is left: a fixed tree
@@ -31,13 +31,12 @@ Error bound (against the exact norm of the fp32 inputs). The terms are nonnegati
 ``k`` of them computed in any order is within ``gamma_(k-1)`` (``gamma_j = j u / (1 - j u)``,
 ``u = 2^-24``) of its exact value, relative. With ``L = ceil(log_BLOCK n)`` levels, the computed
 sum of squares is within ``gamma_(L (BLOCK - 1) + 1)`` (the squares' own rounding included), and
-the norm within half that plus the sqrt's error (``APPROX_ULPS`` ulp at most: the device's sqrt)
-plus, when ``amax >= 2^-100``, ``2^-38`` for terms lost to underflow. For ``n <= 2^20``
-(``L = 2``) that is ``1.3e-4`` relative; the reference's fp64 sum is exact to ``1e-16``. The
-bound holds whatever order the device sums a block in (CPU torch sums pairwise, so measured
-errors are orders of magnitude smaller; ``tests/test_npu_ops.py`` checks both). Below
-``amax = 2^-100`` (every input within 2^26 of the smallest subnormal) the error is absolute,
-``sqrt(n) 2^-149`` at most.
+the norm within half that, plus the sqrt's error (``APPROX_ULPS`` ulp at most: the device's
+sqrt), plus ``2^-38`` for squares of terms far below ``amax`` lost to underflow (the sum is at
+least ``2^-80``, each lost square under ``2^-149``), plus one rounding of the result when it is
+subnormal. For ``n <= 2^20`` (``L = 2``) that is ``6.9e-5`` relative; the reference's fp64 sum is
+exact to ``1e-16``. The bound holds whatever order the device sums a block in (CPU torch sums
+pairwise, so measured errors are orders of magnitude smaller).
 
 ``per_tensor=True`` adds each tensor's norm by the same blocked sum over that tensor (a loop over
 the tensors: launches grow with their number, unlike the total).
@@ -53,8 +52,8 @@ from . import flat, reference
 BLOCK = 1024
 """Elements per block of the blocked sum (the tree's fan-in)."""
 
-_BIG, _SMALL = 2.0 ** 40, 2.0 ** -30
-_DOWN, _UP = 2.0 ** -80, 2.0 ** 60
+_BIG, _SMALL, _TINY = 2.0 ** 40, 2.0 ** -30, 2.0 ** -90
+_DOWN, _UP, _UP_MORE = 2.0 ** -80, 2.0 ** 60, 2.0 ** 120
 
 
 def _refuse_fp64(op: str, lists) -> None:
@@ -101,8 +100,10 @@ def scale(chunk_size, noop_flag, tensor_lists, scale_factor):
         else:
             dst.copy_(src.to(torch.float32) * s)
         return
-    peak = torch.stack(torch._foreach_norm(srcs, float("inf"))).to(torch.float32)
-    _flag_unless(noop_flag, torch.isfinite(peak).all())
+    filled = [t for t in srcs if t.numel()]  # the max norm of an empty tensor is undefined
+    if filled:
+        peak = torch.stack(torch._foreach_norm(filled, float("inf"))).to(torch.float32)
+        _flag_unless(noop_flag, torch.isfinite(peak).all())
     wide = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in srcs]
     flat.copy_all(dsts, torch._foreach_mul(wide, s))
 
@@ -130,10 +131,11 @@ def norm_flat(x: torch.Tensor, noop_flag: Optional[torch.Tensor] = None) -> torc
     amax = x.abs().amax()
     if noop_flag is not None:
         _flag_unless(noop_flag, torch.isfinite(amax))
-    big, small = amax > _BIG, amax < _SMALL
+    big, small, tiny = amax > _BIG, amax < _SMALL, amax < _TINY
     one = torch.ones((), dtype=torch.float32, device=x.device)
-    s = torch.where(big, _DOWN, torch.where(small, _UP, one))
-    s_inv = torch.where(big, 1.0 / _DOWN, torch.where(small, 1.0 / _UP, one))
+    s = torch.where(big, _DOWN, torch.where(tiny, _UP_MORE, torch.where(small, _UP, one)))
+    s_inv = torch.where(big, 1.0 / _DOWN,
+                        torch.where(tiny, 1.0 / _UP_MORE, torch.where(small, 1.0 / _UP, one)))
     y = x * s
     return torch.sqrt(_blocked_sum(y * y)) * s_inv
 
