@@ -36,17 +36,21 @@ def _sum_over_shards(square: torch.Tensor, layout) -> torch.Tensor:
 class ClippingMixin:
     """The unscale factor and overflow of :class:`fused_optim.base.FusedOptimizerBase`'s step."""
 
-    @staticmethod
-    def _overflow(found_inf: Optional[torch.Tensor], work) -> tuple:
+    def _overflow(self, found_inf: Optional[torch.Tensor], work) -> tuple:
         """``(skip now, device flag)`` from GradScaler's ``found_inf`` on an accelerator.
 
         Read on the host, except when every bucket reads it on the device (device steps): then
-        it is handed to the kernels and nothing syncs.
+        it is handed to the kernels and nothing syncs. On devices without fp64 (the NPU) a
+        clipped step reads only its norm's finiteness: the grads GradScaler found non-finite
+        make that norm non-finite, so the one host read per step decides both.
         """
         if found_inf is None or found_inf.device.type == "cpu" or not work:
             return False, None
         if all(b.device_steps for _, b in work):
             return False, found_inf
+        if self.max_grad_norm is not None and not all(
+                registry.backend_for("l2norm", b.device).fp64 for _, b in work):
+            return False, None
         return bool(found_inf.item() != 0), None
 
     def _unscale_factor(self, work, skip_flag: Optional[torch.Tensor] = None) -> tuple:
@@ -62,11 +66,12 @@ class ClippingMixin:
         grad_scale = getattr(self, "grad_scale", None)
         if self.max_grad_norm is None or not work:
             return False, grad_scale, skip_flag
-        norm = self._grad_norm(work)
+        norm = self._grad_norm(work)  # fp64, or fp32 where a device has no fp64
+        div = _div_for(norm.dtype)
         scale = (None if grad_scale is None
-                 else grad_scale.to(device=norm.device, dtype=torch.float64))
+                 else grad_scale.to(device=norm.device, dtype=norm.dtype))
         if scale is not None:
-            norm = norm / scale
+            norm = div(norm, scale)
         self.last_grad_norm = norm
         on_device = (all(b.device_steps for _, b in work)
                      and any(g.get("capturable") for g, _ in work))
@@ -78,14 +83,21 @@ class ClippingMixin:
         elif not bool(torch.isfinite(norm)):  # one host read per step when clipping
             return True, None, skip_flag
         # (a non-finite norm gives a NaN factor here: only on the device path, which skips)
-        clip = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-        return False, ((1.0 if scale is None else scale) / clip).to(torch.float32), skip_flag
+        if norm.dtype == torch.float64:
+            clip = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            return False, ((1.0 if scale is None else scale) / clip).to(torch.float32), skip_flag
+        clip = div(torch.full_like(norm, self.max_grad_norm), norm + 1e-6).clamp(max=1.0)
+        return False, div(torch.ones_like(norm) if scale is None else scale, clip), skip_flag
 
     def _grad_norm(self, work) -> torch.Tensor:
         """The global L2 norm of the bound grads (as they are, scaled or not), in fp64: one
         multi-tensor l2norm launch per bucket, from the bucket's own norm tables where its
-        backend keeps them (the Triton buckets: ``grad_norm``), else by the l2norm op."""
-        squares = []
+        backend keeps them (the Triton buckets: ``grad_norm``), else by the l2norm op.
+
+        In fp32 when a bucket's backend has no fp64 (``Backend.fp64``, the NPU): the norm of
+        the buckets' norms by the NPU's blocked fp32 norm (scaled, so no square overflows), a
+        sharded bucket's squared norm summed over its ranks in fp32."""
+        totals, squares, fp64 = [], [], True
         for _, bucket in work:
             # a flag of its own: l2norm sets it on a non-finite grad, and the step's noop flag
             # must stay clear
@@ -98,8 +110,36 @@ class ClippingMixin:
                     tensor_subclasses=validation.storageless([bucket.grads],
                                                              ("grads",)) is not None)
                 total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
+                fp64 = fp64 and backend.fp64
+            totals.append((total, bucket.layout))
+        if not fp64:
+            return _fp32_norm(totals, work[0][1].device)
+        for total, layout in totals:
             square = total.to(dtype=torch.float64).square()
-            if bucket.layout is not None:
-                square = _sum_over_shards(square, bucket.layout)
+            if layout is not None:
+                square = _sum_over_shards(square, layout)
             squares.append(square.to(device=work[0][1].device))
         return torch.stack(squares).sum().sqrt()
+
+
+def _div_for(dtype: torch.dtype):
+    """Division of the clip scalars: correctly rounded from fp32 ops in fp32 (the device's own
+    division need not be), torch's in fp64 (the fp64 formulas keep torch's ``float / tensor``,
+    a reciprocal and a product, as they are)."""
+    if dtype == torch.float32:
+        from multi_tensor.backends import fp32_exact
+        return fp32_exact.scalar_div
+    return torch.div
+
+
+def _fp32_norm(totals, device) -> torch.Tensor:
+    """The global norm from the buckets' fp32 norms, without fp64 (see ``_grad_norm``)."""
+    from multi_tensor.backends import fp32_exact, npu_ops
+
+    norms = []
+    for total, layout in totals:
+        total = total.to(dtype=torch.float32)
+        if layout is not None:
+            total = fp32_exact.sqrt([_sum_over_shards(total.square(), layout)])[0]
+        norms.append(total.to(device=device).reshape(1))
+    return npu_ops.norm_flat(torch.cat(norms))

@@ -77,7 +77,6 @@ CASES = {
                                             weight_decay=0.01),
     "bf16_params_fp32_grads": dict(dtype=BF16, grad_dtype=F32, master_weights=True),
     "fp16_no_masters": dict(dtype=F16, master_weights=False, weight_decay=0.01),
-    "fp64": dict(dtype=F64),
     "no_bias_correction_maximize": dict(dtype=F32, bias_correction=False, maximize=True),
     # a bf16 EMA beside fp32 / fp16 state: a bf16 flat EMA buffer on the torch path
     "fp32_ema_bf16": dict(dtype=F32, ema_dtype=BF16, ema_decay=0.9),
@@ -301,6 +300,21 @@ def test_noop_flag_and_check_finite_change_nothing(standin):
             assert torch.equal(t, b)
 
 
+@pytest.mark.parametrize("mode", ["torch", "cann"])
+def test_fp64_is_refused_at_planning_naming_the_tensor(mode):
+    """No fp64 on the AI Core: an fp64 param fails when its bucket is prepared, before any
+    state or param changes."""
+    params = make_params(F64, ((3, 5), (4,)))
+    opt = FusedEmaAdamW(params)
+    for p, g in zip(params, grads_for(params, 0)):
+        p.grad = g
+    before = [p.detach().clone() for p in params]
+    with npu_standin.standin_backend(mode=mode), forced_backend(STANDIN):
+        with pytest.raises(TypeError, match=r"params\[0\].*float64.*no fp64"):
+            opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_prepared_bucket_noop_and_bind_refusals(standin):
     params = make_params(F32, ((6,), (9,)))
     state = [[torch.zeros(p.shape) for p in params] for _ in range(3)]
@@ -424,7 +438,6 @@ def test_cann_literal_hands_the_ema_to_the_operator():
     ("maximize", dict(maximize=True)),
     ("adam op", dict(opt_cls=FusedAdam)),
     ("radam op", dict(opt_cls=FusedRAdam, ema_decay=0.9)),
-    ("fp64", dict(dtype=F64)),
     ("grads wider than state", dict(dtype=BF16, grad_dtype=F32, master_weights=False)),
     ("grad scale on fp16 state", dict(dtype=F16, master_weights=False, scale=64.0)),
     ("bf16 EMA beside fp32 state", dict(ema_dtype=BF16)),

@@ -53,7 +53,7 @@ def test_resolves_for_npu_without_importing_torch_npu():
     assert out["torch_npu"] is False
     assert out["before"] == "npu"
     assert out["names"] == {"fused_ema_adamw": "npu", "adam": "npu", "radam": "npu",
-                            "radam_ema": "npu", "scale": "reference", "l2norm": "reference",
+                            "radam_ema": "npu", "scale": "npu", "l2norm": "npu",
                             "npu:1": "npu"}
 
 

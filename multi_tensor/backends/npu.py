@@ -103,7 +103,7 @@ import torch
 
 from .. import schema
 from ..rules import StepScalars
-from . import flat, reference
+from . import flat, fp32_exact, npu_ops, reference
 from . import registry
 from .registry import Backend, register_backend
 
@@ -513,9 +513,10 @@ class FlatAdamBucket:
         total = self.layout.total
         for start in range(0, total, TORCH_PATH_SLICE):
             n = min(TORCH_PATH_SLICE, total - start)
+            # no fp64 on the device: sqrt and division correctly rounded from fp32 ops
             reference.adam_family(self.chunk_size, None,
                                   flat_lists.map(lambda t: t.narrow(0, start, n)), c, grad_scale,
-                                  False)
+                                  False, sqrt=fp32_exact.sqrt, div=fp32_exact.div)
         return True
 
     def _run_cann(self, g_flat, owned, c, grad_scale, check_finite, noop_flag, *,
@@ -576,6 +577,17 @@ def _take_results(result, outs) -> None:
 
 
 
+def _refuse_fp64(backend: str, op: str, lists) -> None:
+    """The AI Core has no fp64 arithmetic: an fp64 bucket is refused when it is prepared."""
+    for kind, tensors in lists.present():
+        for i, t in enumerate(tensors):
+            if t.dtype == torch.float64:
+                raise TypeError(
+                    f"{backend} backend ({op}): {kind}[{i}] of the bucket (shape "
+                    f"{tuple(t.shape)}) is float64, and the Ascend AI Core has no fp64 "
+                    f"arithmetic; use float32 params (or bf16/fp16 with fp32 master weights)")
+
+
 def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
                  device_op: Optional[Callable] = None, description: Optional[str] = None) -> Backend:
     """A flat-bucket backend. The registered one serves ``"npu"`` and loads CANN's operator on
@@ -584,11 +596,13 @@ def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
     op_holder = DeviceOp(device_op)
 
     def prepare(op, lists, chunk_size, once=False):
+        _refuse_fp64(name, op, lists)
         # once: an apex call on the caller's tensors, copied in and out rather than re-pointed
         return FlatAdamBucket(op, lists, chunk_size, op_holder, repoint=not once)
 
     backend = Backend(
         name=name, device_types=tuple(device_types), priority=priority,
+        ops={"scale": npu_ops.scale, "l2norm": npu_ops.l2norm}, fp64=False,
         prepare=prepare, adam_ops=schema.ADAM_OPS,
         description=description or ("flat buckets, one CANN aclnnApplyFusedEmaAdam launch per "
                                     "bucket (MULTI_TENSOR_NPU_OP=cann) or the exact torch path "

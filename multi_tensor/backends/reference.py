@@ -16,7 +16,7 @@ accelerator.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -74,8 +74,14 @@ def _store(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
 
 
 def adam_family(chunk_size: int, noop_flag: torch.Tensor, lists, c: StepScalars,
-                grad_scale: Optional[torch.Tensor] = None, check_finite: bool = False) -> None:
-    """Every Adam-family op on one bucket's :class:`~multi_tensor.schema.AdamLists`."""
+                grad_scale: Optional[torch.Tensor] = None, check_finite: bool = False, *,
+                sqrt: Callable = ieee_sqrt, div: Callable = torch._foreach_div) -> None:
+    """Every Adam-family op on one bucket's :class:`~multi_tensor.schema.AdamLists`.
+
+    ``sqrt(list)`` and ``div(list, list)``: the correctly rounded sqrt and division used (for
+    the step's denominator and the grad scale's reciprocal); a device without fp64 passes
+    :mod:`multi_tensor.backends.fp32_exact`'s.
+    """
     del chunk_size  # elementwise: chunking cannot change a result
     grads, params, exp_avgs, exp_avg_sqs = lists.grads, lists.params, lists.exp_avgs, lists.exp_avg_sqs
     emas, has_master = lists.emas, lists.has_master
@@ -96,7 +102,7 @@ def adam_family(chunk_size: int, noop_flag: torch.Tensor, lists, c: StepScalars,
     v = _as(exp_avg_sqs, dt)
     if grad_scale is not None:
         scale = grad_scale.reshape(()).to(device=w[0].device, dtype=dt)
-        g = torch._foreach_mul(g, torch.ones((), dtype=dt, device=scale.device) / scale)
+        g = torch._foreach_mul(g, div([torch.ones((), dtype=dt, device=scale.device)], [scale])[0])
     if c.maximize:
         g = torch._foreach_neg(g)
     if c.l2:
@@ -105,8 +111,8 @@ def adam_family(chunk_size: int, noop_flag: torch.Tensor, lists, c: StepScalars,
     v = torch._foreach_add(torch._foreach_mul(v, k(c.beta2)),
                            torch._foreach_mul(torch._foreach_mul(g, k(c.omb2)), g))
     if c.use_denom:
-        denom = torch._foreach_add(torch._foreach_mul(ieee_sqrt(v), k(c.isb2)), k(c.eps))
-        u = torch._foreach_div(m, denom)
+        denom = torch._foreach_add(torch._foreach_mul(sqrt(v), k(c.isb2)), k(c.eps))
+        u = div(m, denom)
     else:
         u = m
     w_new = torch._foreach_sub(w, torch._foreach_mul(w, k(c.lr_wd))) if c.decoupled else w

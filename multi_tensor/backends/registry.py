@@ -59,6 +59,9 @@ class Backend:
     adam_ops: tuple = ()
     tensor_subclasses: bool = False     # runs tensors without real storage (DTensor, meta, fake)
     description: str = ""
+    # whether its devices compute in fp64; False (the Ascend AI Core): no fp64 tensor is made on
+    # them, and the clipping and unscale scalars are computed in fp32 (fused_optim/clipping.py)
+    fp64: bool = True
 
     def __post_init__(self):
         for op in self.adam_ops:

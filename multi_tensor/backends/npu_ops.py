@@ -1,0 +1,161 @@
+r"""The NPU backend's ``scale`` and ``l2norm``: fp32 only, a fixed number of launches per call.
+
+apex's helpers as :mod:`multi_tensor.backends.reference` defines them, for a device without fp64
+(the Ascend AI Core) and without host reads: the non-finite check sets ``noop_flag`` on the
+device (``masked_fill_``), nothing is read back.
+
+Where the tensors are views of one buffer without gaps (the NPU backend's flat grad buffers,
+:mod:`multi_tensor.backends.flat`), the op runs on that buffer as one tensor; otherwise on the
+list, with ``torch._foreach_*`` ops (``scale``) or one concatenation (``l2norm``), so the launches
+do not grow with the number of tensors.
+
+``scale``: ``dst = src * scale``, the product formed in fp32 (the factor rounded once to fp32,
+as the reference's ``src.to(fp32) * scale`` does) and rounded once into ``dst``: bitwise the
+reference. On a flat fp32 buffer: the product (one launch, written into ``dst``) and the flag
+(``isfinite``, ``all``, ``logical_not``, ``masked_fill_``: four launches).
+
+``l2norm``: the fp32 norm of the flat vector ``x`` (the buffer, or the list concatenated in list
+order), deterministic and independent of how ``x`` is split into tensors:
+
+1. ``amax = max |x|`` (NaN propagates): the non-finite check, and a power-of-two scale ``S``
+   (``2^-80`` if ``amax > 2^40``, ``2^120`` if ``amax < 2^-90``, ``2^60`` if ``amax < 2^-30``,
+   else 1) that keeps every square of ``y = S x`` and their sum inside the fp32 range for up to
+   2^31 elements, and the sum at least ``2^-80`` (exact: a power of two).
+2. The squares ``y*y`` (one rounding each) summed in fixed blocks of :data:`BLOCK` elements (a
+   ``(n // BLOCK, BLOCK)`` view summed along its rows, plus the tail as one more block), the block
+   sums summed again the same way, level after level, until one value is left: a fixed tree
+   whose shape depends only on ``n``.
+3. ``norm = sqrt(sum) / S``.
+
+Error bound (against the exact norm of the fp32 inputs). The terms are nonnegative, so a sum of
+``k`` of them computed in any order is within ``gamma_(k-1)`` (``gamma_j = j u / (1 - j u)``,
+``u = 2^-24``) of its exact value, relative. With ``L = ceil(log_BLOCK n)`` levels, the computed
+sum of squares is within ``gamma_(L (BLOCK - 1) + 1)`` (the squares' own rounding included), and
+the norm within half that, plus the sqrt's error (``APPROX_ULPS`` ulp at most: the device's
+sqrt), plus ``2^-38`` for squares of terms far below ``amax`` lost to underflow (the sum is at
+least ``2^-80``, each lost square under ``2^-149``), plus one rounding of the result when it is
+subnormal. For ``n <= 2^20`` (``L = 2``) that is ``6.9e-5`` relative; the reference's fp64 sum is
+exact to ``1e-16``. The bound holds whatever order the device sums a block in (CPU torch sums
+pairwise, so measured errors are orders of magnitude smaller).
+
+``per_tensor=True`` adds each tensor's norm by the same blocked sum over that tensor (a loop over
+the tensors: launches grow with their number, unlike the total).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from . import flat, reference
+
+BLOCK = 1024
+"""Elements per block of the blocked sum (the tree's fan-in)."""
+
+_BIG, _SMALL, _TINY = 2.0 ** 40, 2.0 ** -30, 2.0 ** -90
+_DOWN, _UP, _UP_MORE = 2.0 ** -80, 2.0 ** 60, 2.0 ** 120
+
+
+def _refuse_fp64(op: str, lists) -> None:
+    for name, tensors in lists:
+        for i, t in enumerate(tensors):
+            if t.dtype == torch.float64:
+                raise TypeError(f"multi_tensor_{op} on the NPU backend: {name}[{i}] is float64, "
+                                f"and the Ascend AI Core has no fp64 arithmetic")
+
+
+def _one_buffer(tensors: List[torch.Tensor], *, writable: bool) -> Optional[torch.Tensor]:
+    """The 1-D buffer ``tensors`` tile without gaps (in its storage order), else None."""
+    if not tensors:
+        return None
+    layout = flat.FlatLayout.of_views(tensors)
+    if layout is None or not layout.gap_free:
+        return None
+    t = tensors[0]
+    return flat.alias(tensors, layout, t.dtype, t.device, writable=writable)
+
+
+def _flag_unless(noop_flag: torch.Tensor, finite: torch.Tensor) -> None:
+    """``noop_flag = 1`` where ``finite`` (a 0-dim bool tensor) is False, on the device."""
+    noop_flag.masked_fill_(finite.logical_not(), 1)
+
+
+# --- scale -----------------------------------------------------------------------------------
+
+def scale(chunk_size, noop_flag, tensor_lists, scale_factor):
+    """apex ``multi_tensor_scale`` (see the module docstring): bitwise the reference's."""
+    del chunk_size
+    srcs, dsts = list(tensor_lists[0]), list(tensor_lists[1])
+    if not srcs:
+        return
+    _refuse_fp64("scale", (("srcs", srcs), ("dsts", dsts)))
+    s = reference.rounded(float(scale_factor), torch.float32)
+    src = _one_buffer(srcs, writable=False)
+    dst = None if src is None else flat.alias(dsts, flat.FlatLayout.of_views(srcs), dsts[0].dtype,
+                                              dsts[0].device)
+    if src is not None and dst is not None:
+        _flag_unless(noop_flag, torch.isfinite(src).all())
+        if src.dtype == torch.float32 and dst.dtype == torch.float32:
+            torch.mul(src, s, out=dst)
+        else:
+            dst.copy_(src.to(torch.float32) * s)
+        return
+    filled = [t for t in srcs if t.numel()]  # the max norm of an empty tensor is undefined
+    if filled:
+        peak = torch.stack(torch._foreach_norm(filled, float("inf"))).to(torch.float32)
+        _flag_unless(noop_flag, torch.isfinite(peak).all())
+    wide = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in srcs]
+    flat.copy_all(dsts, torch._foreach_mul(wide, s))
+
+
+# --- l2norm ----------------------------------------------------------------------------------
+
+def _blocked_sum(v: torch.Tensor) -> torch.Tensor:
+    """The sum of a 1-D fp32 tensor by a fixed tree of ``BLOCK``-element sums (0-dim result)."""
+    while v.numel() > BLOCK:
+        n = v.numel()
+        main = n - n % BLOCK
+        sums = v.narrow(0, 0, main).view(-1, BLOCK).sum(dim=1)
+        if main < n:
+            sums = torch.cat([sums, v.narrow(0, main, n - main).sum().reshape(1)])
+        v = sums
+    return v.sum()
+
+
+def norm_flat(x: torch.Tensor, noop_flag: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fp32 L2 norm of the 1-D tensor ``x`` (0-dim), setting ``noop_flag`` if it holds a
+    non-finite value (see the module docstring)."""
+    x = x if x.dtype == torch.float32 else x.to(torch.float32)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    amax = x.abs().amax()
+    if noop_flag is not None:
+        _flag_unless(noop_flag, torch.isfinite(amax))
+    big, small, tiny = amax > _BIG, amax < _SMALL, amax < _TINY
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    s = torch.where(big, _DOWN, torch.where(tiny, _UP_MORE, torch.where(small, _UP, one)))
+    s_inv = torch.where(big, 1.0 / _DOWN,
+                        torch.where(tiny, 1.0 / _UP_MORE, torch.where(small, 1.0 / _UP, one)))
+    y = x * s
+    return torch.sqrt(_blocked_sum(y * y)) * s_inv
+
+
+def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+    """apex ``multi_tensor_l2norm``: ``(total_norm, per_tensor_norms)`` as fp32 tensors (see the
+    module docstring for the sum and its error bound)."""
+    del chunk_size
+    tensors = [t.detach() for t in tensor_lists[0]]
+    device = tensors[0].device if tensors else noop_flag.device
+    _refuse_fp64("l2norm", (("tensors", tensors),))
+    if not tensors:
+        return (torch.zeros((), dtype=torch.float32, device=device),
+                torch.zeros(0, dtype=torch.float32, device=device))
+    x = _one_buffer(tensors, writable=False)
+    if x is None:
+        x = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+    total = norm_flat(x, noop_flag)
+    if per_tensor:
+        per = torch.stack([norm_flat(t.reshape(-1)) for t in tensors])
+    else:
+        per = torch.zeros(0, dtype=torch.float32, device=device)
+    return total, per

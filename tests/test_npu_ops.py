@@ -1,0 +1,282 @@
+"""The NPU backend's own scale and l2norm (multi_tensor.backends.npu_ops), and fp32 clipping.
+
+``scale`` is bitwise the reference's; ``l2norm`` is within the bound its module docstring
+states of an fp64 oracle (numpy), deterministic and independent of how a buffer is split into
+tensors. On the CPU stand-in of the NPU backend, clipped and GradScaler steps run these ops, make
+no fp64 tensor (other than host-side scalars) and read nothing back but the norm's finiteness.
+"""
+from __future__ import annotations
+
+import math
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fused_optim import FusedAdamW, FusedEmaAdamW
+from multi_tensor import forced_backend, multi_tensor_l2norm, multi_tensor_scale
+from multi_tensor.backends import npu_ops, npu_standin, reference
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+U = 2.0 ** -24
+STANDIN = "npu_standin"
+
+
+def bound(n: int) -> float:
+    """The relative error bound of npu_ops' norm for n elements (its module docstring)."""
+    levels = max(1, math.ceil(math.log(max(n, 2), npu_ops.BLOCK)))
+    k = levels * (npu_ops.BLOCK - 1) + 1
+    return 0.5 * k * U / (1 - k * U) + 64 * 2.0 ** -23 + 2.0 ** -38
+
+
+def oracle(tensors) -> float:
+    return float(np.sqrt(sum(np.sum(t.detach().double().numpy() ** 2) for t in tensors)))
+
+
+def split(buf: torch.Tensor, sizes):
+    out, pos = [], 0
+    for n in sizes:
+        out.append(buf[pos:pos + n])
+        pos += n
+    return out
+
+
+# host reads outside this work: the noop flag (the flat bucket's, npuflat), the planner's first
+# step, and GradScaler's found_inf on the CPU (on an NPU it is on the device, read in
+# ClippingMixin._overflow unless the clipped step's norm read decides)
+OTHER_READS = {"_noop_is_set", "_step_of", "step"}
+READ_SITES = OTHER_READS | {"_unscale_factor", "_overflow"}
+FREE = ("view", "alias", "slice", "expand", "detach", "as_strided", "scalar_tensor")
+
+
+class Record(TorchDispatchMode):
+    """fp64 tensors made by device ops (host scalars from reference.rounded excepted) and host
+    reads (``_local_scalar_dense``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp64, self.reads, self.ops, self.read_sites = [], 0, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(word in str(func) for word in FREE):
+            self.ops += 1
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        read = func is torch.ops.aten._local_scalar_dense.default
+        if read or any(isinstance(t, torch.Tensor) and t.dtype == F64 for t in outs):
+            names = [f.name for f in traceback.extract_stack()]
+            if "rounded" not in names:
+                if read:
+                    self.reads += 1
+                    self.read_sites.append(next((n for n in reversed(names) if n in READ_SITES),
+                                                "elsewhere"))
+                else:
+                    self.fp64.append(str(func))
+        return out
+
+
+# --- scale -----------------------------------------------------------------------------------
+
+def _scale_lists(kind, src_dtype, dst_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sizes = (5, 0, 300, 1, 4097)
+    buf = torch.randn(sum(sizes), generator=g).to(src_dtype) * 3
+    dbuf = torch.empty(sum(sizes), dtype=dst_dtype)
+    if kind == "flat":
+        return split(buf, sizes), split(dbuf, sizes)
+    if kind == "in place":
+        srcs = split(buf, sizes)
+        return srcs, srcs
+    return [t.clone() for t in split(buf, sizes)], [torch.empty_like(t, dtype=dst_dtype)
+                                                    for t in split(buf, sizes)]
+
+
+SCALE_CASES = {
+    "flat fp32": ("flat", F32, F32), "list fp32": ("list", F32, F32),
+    "in place fp32": ("in place", F32, F32), "flat fp16 -> fp32": ("flat", F16, F32),
+    "list bf16 -> fp32": ("list", BF16, F32), "flat fp32 -> fp16": ("flat", F32, F16),
+    "list fp32 -> bf16": ("list", F32, BF16),
+}
+
+
+@pytest.mark.parametrize("factor", [0.1, 1.0 / 3.0, 65536.0, 1e-30])
+@pytest.mark.parametrize("case", sorted(SCALE_CASES))
+def test_scale_bitwise_equal_to_reference(case, factor):
+    srcs, dsts = _scale_lists(*SCALE_CASES[case])
+    want = [torch.empty_like(d) for d in dsts]
+    reference.scale(0, torch.zeros(1, dtype=torch.int32), [srcs, want], factor)
+    flag = torch.zeros(1, dtype=torch.int32)
+    with Record() as rec:
+        npu_ops.scale(0, flag, [srcs, dsts], factor)
+    for i, (d, w) in enumerate(zip(dsts, want)):
+        assert d.dtype == w.dtype and torch.equal(d, w), f"dsts[{i}]"
+    assert int(flag) == 0 and rec.fp64 == [] and rec.reads == 0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("kind", ["flat", "list"])
+def test_scale_sets_the_flag_on_the_device(kind, bad):
+    srcs, dsts = _scale_lists(kind, F32, F32)
+    srcs[2][7] = bad
+    flag = torch.zeros(1, dtype=torch.int32)
+    with Record() as rec:
+        npu_ops.scale(0, flag, [srcs, dsts], 0.5)
+    assert int(flag) == 1 and rec.reads == 0
+
+
+# --- l2norm ----------------------------------------------------------------------------------
+
+NORM_CASES = {  # numel, magnitude of the values
+    "one": (1, 1.0), "a block": (1024, 1.0), "a block and one": (1025, 1.0),
+    "ragged": (50_001, 1.0), "a million": (1_000_000, 1.0), "large values": (20_000, 1e30),
+    "small values": (20_000, 1e-30), "near the fp32 edge": (3000, 3e36),
+    "subnormals": (5000, 1e-40), "tiny normals": (5000, 1e-33),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NORM_CASES))
+def test_l2norm_within_its_bound_of_an_fp64_oracle(case):
+    n, mag = NORM_CASES[case]
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g, dtype=F64) * mag).to(F32)
+    want = oracle([x])
+    got, per = npu_ops.l2norm(0, torch.zeros(1, dtype=torch.int32), [split(x, (n // 3, n - n // 3))])
+    assert got.dtype == F32 and per.numel() == 0
+    sub = 2.0 ** -149 if want < 2.0 ** -126 else 0.0  # a subnormal norm: one more rounding
+    assert abs(float(got) - want) <= bound(n) * want + sub, (float(got), want)
+    ref, _ = reference.l2norm(0, torch.zeros(1, dtype=torch.int32), [[x]])
+    assert abs(float(got) - float(ref)) <= bound(n) * float(ref) + 2.0 ** -140
+
+
+def test_l2norm_does_not_depend_on_the_split_and_is_deterministic():
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(30_000, generator=g)
+    flag = torch.zeros(1, dtype=torch.int32)
+    results = set()
+    for sizes in ((30_000,), (1, 29_999), (10_000,) * 3, (7, 1017, 4000, 24_976)):
+        for tensors in (split(buf, sizes), [t.clone() for t in split(buf, sizes)]):
+            results.add(npu_ops.l2norm(0, flag, [tensors])[0].item())
+    assert len(results) == 1
+    assert int(flag) == 0
+
+
+def test_l2norm_per_tensor_and_mixed_dtypes():
+    g = torch.Generator().manual_seed(4)
+    ts = [torch.randn(s, generator=g).to(dt)
+          for s, dt in (((300,), F16), ((5, 7), BF16), ((2000,), F32))]
+    total, per = npu_ops.l2norm(0, torch.zeros(1, dtype=torch.int32), [ts], True)
+    assert abs(float(total) - oracle(ts)) <= bound(2335) * oracle(ts)
+    for t, got in zip(ts, per):
+        assert abs(float(got) - oracle([t])) <= bound(t.numel()) * oracle([t])
+    empty = npu_ops.l2norm(0, torch.zeros(1, dtype=torch.int32), [[]], True)
+    assert float(empty[0]) == 0.0 and empty[1].numel() == 0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_l2norm_flag_on_the_device_and_nonfinite_norm(bad):
+    x = torch.ones(5000)
+    x[4321] = bad
+    flag = torch.zeros(1, dtype=torch.int32)
+    with Record() as rec:
+        total, _ = npu_ops.l2norm(0, flag, [split(x, (4000, 1000))])
+    assert int(flag) == 1 and not math.isfinite(float(total)) and rec.reads == 0
+
+
+def test_l2norm_launches_do_not_grow_with_the_number_of_tensors():
+    counts = []
+    for parts in (1, 10, 100):
+        buf = torch.randn(100_000)
+        tensors = split(buf, (100_000 // parts,) * parts)
+        with Record() as rec:
+            npu_ops.l2norm(0, torch.zeros(1, dtype=torch.int32), [tensors])
+        counts.append(rec.ops)
+        assert rec.fp64 == [] and rec.reads == 0
+    assert len(set(counts)) == 1 and counts[0] < 30
+
+
+def test_fp64_is_refused():
+    with pytest.raises(TypeError, match="float64"):
+        npu_ops.l2norm(0, torch.zeros(1, dtype=torch.int32), [[torch.ones(3, dtype=F64)]])
+    with pytest.raises(TypeError, match="float64"):
+        npu_ops.scale(0, torch.zeros(1, dtype=torch.int32), [[torch.ones(3, dtype=F64)],
+                                                             [torch.ones(3, dtype=F64)]], 2.0)
+
+
+def test_the_standin_serves_scale_and_l2norm_and_has_no_fp64():
+    with npu_standin.standin_backend(mode="torch") as backend, forced_backend(STANDIN):
+        assert backend.fp64 is False
+        assert backend.ops["scale"] is npu_ops.scale and backend.ops["l2norm"] is npu_ops.l2norm
+        x = [torch.ones(4), torch.ones(5)]
+        total, _ = multi_tensor_l2norm(2048, torch.zeros(1, dtype=torch.int32), [x])
+        assert float(total) == 3.0
+        out = [torch.empty(4), torch.empty(5)]
+        multi_tensor_scale(2048, torch.zeros(1, dtype=torch.int32), [x, out], 0.5)
+        assert all(torch.equal(o, torch.full_like(o, 0.5)) for o in out)
+
+
+# --- clipping and GradScaler on the stand-in ---------------------------------------------------
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _train(cls, backend, *, clip, scaler, steps=6):
+    model = _model()
+    opt = cls(model.parameters(), lr=1e-2, max_grad_norm=clip)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    gen = torch.Generator().manual_seed(1)
+    norms, records = [], []
+    for k in range(steps):
+        x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y) * 50.0
+        (sc.scale(loss) if sc else loss).backward()
+        with forced_backend(backend), Record() as rec:
+            if sc:
+                sc.step(opt)
+            else:
+                opt.step()
+        if sc:
+            sc.update()
+        records.append(rec)
+        if opt.last_grad_norm is not None:
+            norms.append(opt.last_grad_norm)
+    return [p.detach().clone() for p in model.parameters()], norms, records
+
+
+class Spy:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [FusedEmaAdamW, FusedAdamW])
+@pytest.mark.parametrize("clip,scaler", [(0.5, False), (0.5, True), (None, True), (1e6, True)])
+def test_clipped_and_scaled_steps_on_the_standin(cls, clip, scaler):
+    with npu_standin.standin_backend(mode="torch") as backend:
+        spy = backend.ops["l2norm"] = Spy(backend.ops["l2norm"])
+        ours, our_norms, records = _train(cls, STANDIN, clip=clip, scaler=scaler)
+    ref, ref_norms, _ = _train(cls, "reference", clip=clip, scaler=scaler)
+    steps = len(records)
+    assert spy.calls == (steps if clip is not None else 0)
+    for rec in records:
+        assert rec.fp64 == [], rec.fp64
+        sites = [site for site in rec.read_sites if site not in OTHER_READS]
+        # one read per step: the norm's finiteness when clipping
+        assert sites == (["_unscale_factor"] if clip is not None else []), rec.read_sites
+    assert all(n.dtype == F32 for n in our_norms)
+    for a, b in zip(our_norms, ref_norms):
+        assert abs(float(a) - float(b)) <= bound(400) * float(b) + 1e-7 * float(b)
+    if clip is None or clip == 1e6:
+        # no clip (or a clip factor of 1: the same kernel multiplier), the same math: bitwise
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b)
+    else:
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
