@@ -182,8 +182,7 @@ class DeviceOp:
             key = (device.type, device.index)
             if key not in self._probed:
                 try:
-                    probe(self._fn, torch.device(device.type, device.index)
-                          if device.index is not None else torch.device(device.type))
+                    probe(self._fn, device)
                     self._probed[key] = None
                 except Exception as exc:  # a missing symbol, a failing launch, wrong results
                     self._probed[key] = (f"the CANN operator ({self.source}) failed its probe "
