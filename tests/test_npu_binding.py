@@ -373,10 +373,17 @@ def test_npu_check_stand_in_runs(tmp_path):
     out = tmp_path / "check.json"
     rc = npu_check.main(["--stand-in", "--numel", "20000", "--tensors", "6", "--steps", "1",
                          "--warmup", "0", "--parity-numel", "5000", "--parity-tensors", "5",
-                         "--parity-steps", "3", "--json", str(out)])
+                         "--parity-steps", "3", "--ema-steps", "20", "--rounding-samples", "4000",
+                         "--copy-numel", "4096", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert not result["failed"]
-    steady = result["results"]["cann_literal EMA coefficients"]["steady"]
-    assert -2e-4 < steady < -1e-4  # fp32(d) + fp32(1 - d) != 1 at d = 0.9999
+    res = result["results"]
+    # the kernel's 1 - fp32(d): d_eff + (1-d)_eff == 1, so a constant is the EMA's fixed point
+    assert res["cann_literal EMA coefficients"]["d"] + res["cann_literal EMA coefficients"]["omd"] == 1.0
+    assert res["cann_literal EMA coefficients"]["steady"] == 0.0
+    assert res["operator complements"]["ok"] and res["operator complements"]["model"].startswith("fp32")
+    for name in ("fp64 foreach", "fp32 sqrt correctly rounded", "fp32 div correctly rounded",
+                 "built-in binding", "converting copy", "launch over 2^31 elements"):
+        assert name in res, name
     assert any(k.startswith("ours cann") for k in result["results"]["bench_ms"])
