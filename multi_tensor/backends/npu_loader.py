@@ -4,8 +4,9 @@ r"""Loading CANN's fused EMA-Adam operator for the NPU backend, and deciding whe
 package's, ``csrc/npu/fused_ema_adam.cpp``, compiled on first use by
 :mod:`multi_tensor.backends.npu_builder`). :class:`DeviceOp` holds it for one backend and answers,
 per device, "the callable" or "``None`` and why": the chip must be one CANN ships the operator
-for, the operator must load, and a one-element call of it (the probe) must run. Every failure on
-that way is an answer, never an exception, so the bucket takes the exact torch path for that step
+for, the operator must load, and a one-element call of a loaded operator (the probe) must run
+(a callable given by the caller, the CPU stand-ins', is used as given). Every failure on that
+way is an answer, never an exception, so the bucket takes the exact torch path for that step
 (the NPU backend warns once per reason) instead of raising out of ``step()``.
 
 Chips (:data:`SUPPORTED_CHIPS`). ops-nn's ``optim/apply_fused_ema_adam/op_host/
@@ -142,8 +143,9 @@ def probe(fn: Callable, device: torch.device) -> None:
 class DeviceOp:
     """The device operator of one backend, loaded and probed on first use per device.
 
-    ``fn``: a given callable (the CPU stand-in's), else :func:`load_device_op` on first use.
-    :meth:`get` returns ``(fn, None)`` or ``(None, why)``; it never raises.
+    ``fn``: a given callable (the CPU stand-in's, used as given), else :func:`load_device_op` on
+    first use, probed once per device (:func:`probe`). :meth:`get` returns ``(fn, None)`` or
+    ``(None, why)``; it never raises.
     """
 
     def __init__(self, fn: Optional[Callable] = None):
@@ -180,6 +182,8 @@ class DeviceOp:
             if self._fn is None:
                 return None, f"the CANN operator did not load ({self._error})"
             key = (device.type, device.index)
+            if self.source == "given":  # a caller's callable (the stand-ins): used as given
+                return self._fn, None
             if key not in self._probed:
                 try:
                     probe(self._fn, device)
