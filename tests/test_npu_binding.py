@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -25,7 +26,7 @@ import torch
 
 from fused_optim import FusedEmaAdamW
 from multi_tensor import forced_backend
-from multi_tensor.backends import npu, npu_builder, npu_standin
+from multi_tensor.backends import npu, npu_builder, npu_loader, npu_standin
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = "npu_standin"
@@ -129,22 +130,110 @@ def test_the_loader_finds_the_binding_and_the_launches_keep_the_contract(fake_np
         opt = run_steps(params, steps=3, master_weights=True)
         assert backend.device_op.source.startswith("multi_tensor")
     assert sys.modules["torch_npu"].__version__ == "0.0.fake"
-    assert len(fake_npu_env.calls) == 3  # one bucket: one launch per step
-    assert all(c["dtype"] == torch.float32 for c in fake_npu_env.calls)  # the fp32 masters
+    probe, *launches = fake_npu_env.calls  # the one-element probe, then the steps
+    assert probe["numel"] == 1 and probe["dtype"] == torch.float32
+    assert len(launches) == 3  # one bucket: one launch per step
+    assert all(c["dtype"] == torch.float32 for c in launches)  # the fp32 masters
     (plan,) = opt._plans.values()
     (bucket,) = plan.buckets
     assert bucket.prepared.last_path == "cann"
-    assert {c["numel"] for c in fake_npu_env.calls} == {bucket.prepared.layout.total}
+    assert {c["numel"] for c in launches} == {bucket.prepared.layout.total}
 
 
 def test_mindspeed_op_is_preferred(fake_npu_env, monkeypatch):
     calls = []
-    ops = types.ModuleType("mindspeed.ops.npu_apply_fused_ema_adamw")
-    ops.fused_ema_adamw_op_builder = types.SimpleNamespace(load=lambda: calls.append("load"))
 
     def op(*args):
         calls.append("op")
         return fake_npu_env.npu_apply_fused_ema_adamw(*args)
+    mindspeed_modules(monkeypatch, op, lambda: calls.append("load"))
+    fn, source = npu.load_device_op()
+    assert source == "mindspeed" and fn is op and calls == ["load"]
+    monkeypatch.setenv("MULTI_TENSOR_NPU_BINDING", "builtin")
+    fn, source = npu.load_device_op()
+    assert source.startswith("multi_tensor")
+
+
+CHIPS = [  # (torch_npu.npu.get_device_name(), has aclnnApplyFusedEmaAdam)
+    ("Ascend910B1", True), ("Ascend910B2", True), ("Ascend910B2C", True), ("Ascend910B3", True),
+    ("Ascend910B4", True), ("Ascend910B4-1", True),
+    ("Ascend910_9391", True), ("Ascend910_9392", True), ("Ascend910_9381", True),
+    ("Ascend910_9382", True), ("Ascend910_9372", True), ("Ascend910_9362", True),
+    ("Ascend910_9361", True),
+    ("Ascend910_950z", True), ("Ascend910_9579", True), ("Ascend910_957b", True),
+    ("Ascend910_9581", True), ("Ascend910_958a", True), ("Ascend910_9599", True),
+    ("Ascend950PR_9599", True),
+    ("Ascend910B", False), ("Ascend910A", False), ("Ascend910ProA", False),
+    ("Ascend910ProB", False), ("Ascend910PremiumA", False), ("Ascend310P3", False),
+    ("Ascend310B1", False), ("", False),
+]
+
+
+@pytest.mark.parametrize("chip,has_op", CHIPS)
+def test_chip_table(chip, has_op):
+    assert npu_loader.chip_has_operator(chip) is has_op
+    assert chip.startswith(npu_loader.SUPPORTED_CHIP_PREFIXES) is has_op
+
+
+@pytest.mark.parametrize("chip,has_op", [("Ascend910A", False), ("Ascend910_9392", True),
+                                         ("Ascend910_9599", True), ("Ascend910B", False)])
+def test_chips_without_the_operator_run_the_exact_path(fake_npu_env, tmp_path, monkeypatch,
+                                                       chip, has_op):
+    probed = []
+    monkeypatch.setattr(npu_loader, "probe", lambda fn, device: probed.append(device))
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(tmp_path, chip=chip))
+    holder = npu.DeviceOp()  # the real loader: the fake binding, probed once
+    fn, why = holder.get(types.SimpleNamespace(type="npu", index=0))
+    assert (fn is not None) is has_op
+    assert (why is None) is has_op and (has_op or chip in why)
+    assert len(probed) == int(has_op)  # only a chip with the operator is probed
+
+
+def reference_steps(params, steps=3, **kw):
+    """run_steps' trajectory on the reference backend (copies of ``params``)."""
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = FusedEmaAdamW(ref, lr=1e-2, weight_decay=0.1, **kw)
+    for k in range(steps):
+        g = torch.Generator().manual_seed(k)
+        for p in ref:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        with forced_backend("reference"):
+            opt.step()
+    return ref, opt
+
+
+class RaisingBinding(ContractBinding):
+    """A binding that loads but whose launch fails (a missing kernel, a failing launch)."""
+
+    def npu_apply_fused_ema_adamw(self, *args):
+        self.calls.append(args)
+        raise RuntimeError("aclnnApplyFusedEmaAdam failed (561003): kernel not found")
+
+
+def test_a_binding_whose_first_call_raises_warns_once_and_the_exact_path_runs(fake_npu_env,
+                                                                              monkeypatch):
+    binding = RaisingBinding()
+    monkeypatch.setitem(sys.modules, npu_builder.FusedEmaAdamBuilder.NAME, binding)
+    monkeypatch.setattr(npu, "_warned", set())
+    params = [torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(3, 3))]
+    ref, ref_opt = reference_steps(params, steps=3)
+    with npu_standin.standin_backend(None, mode="cann"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = run_steps(params, steps=3)
+    messages = [str(w.message) for w in caught if "NPU backend" in str(w.message)]
+    assert len(messages) == 1 and "probe" in messages[0] and "561003" in messages[0], messages
+    assert len(binding.calls) == 1  # the probe only: no step launched the operator
+    (plan,) = opt._plans.values()
+    assert plan.buckets[0].prepared.last_path == "torch"
+    for p, q in zip(params, ref):  # the exact path: the reference's bits
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(opt.state[p]["ema"], ref_opt.state[q]["ema"])
+
+
+def mindspeed_modules(monkeypatch, op, load):
+    ops = types.ModuleType("mindspeed.ops.npu_apply_fused_ema_adamw")
+    ops.fused_ema_adamw_op_builder = types.SimpleNamespace(load=load)
     ops.npu_apply_fused_ema_adamw = op
     mindspeed = types.ModuleType("mindspeed")
     mindspeed.__path__ = []
@@ -153,22 +242,24 @@ def test_mindspeed_op_is_preferred(fake_npu_env, monkeypatch):
     monkeypatch.setitem(sys.modules, "mindspeed", mindspeed)
     monkeypatch.setitem(sys.modules, "mindspeed.ops", mindspeed_ops)
     monkeypatch.setitem(sys.modules, "mindspeed.ops.npu_apply_fused_ema_adamw", ops)
-    fn, source = npu.load_device_op()
-    assert source == "mindspeed" and fn is op and calls == ["load"]
-    monkeypatch.setenv("MULTI_TENSOR_NPU_BINDING", "builtin")
-    fn, source = npu.load_device_op()
-    assert source.startswith("multi_tensor")
 
 
-def test_chips_without_the_operator_run_the_exact_path(fake_npu_env, tmp_path, monkeypatch):
-    holder = npu.DeviceOp(lambda *a: pytest.fail("must not launch"))
-    npu_device = types.SimpleNamespace(type="npu", index=0)
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(tmp_path, chip="Ascend910A"))
-    fn, why = holder.get(npu_device)
-    assert fn is None and "Ascend910A" in why
-    ok = npu.DeviceOp(fake_npu_env.npu_apply_fused_ema_adamw)
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(tmp_path, chip="Ascend910_9392"))
-    assert ok.get(npu_device)[0] is not None
+def test_a_mindspeed_build_failure_tries_the_builtin_binding(fake_npu_env, monkeypatch):
+    def failing_build():
+        raise RuntimeError("ninja: build stopped: subcommand failed")
+    mindspeed_modules(monkeypatch, lambda *a: pytest.fail("MindSpeed's op must not run"),
+                      failing_build)
+    monkeypatch.setattr(npu_loader, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn, source = npu.load_device_op()
+        fn2, _ = npu.load_device_op()
+    assert source.startswith("multi_tensor") and fn == fake_npu_env.npu_apply_fused_ema_adamw
+    messages = [str(w.message) for w in caught if "MindSpeed" in str(w.message)]
+    assert len(messages) == 1 and "subcommand failed" in messages[0]
+    monkeypatch.setenv("MULTI_TENSOR_NPU_BINDING", "mindspeed")  # insisting on MindSpeed raises
+    with pytest.raises(RuntimeError, match="subcommand failed"):
+        npu.load_device_op()
 
 
 def test_a_binding_that_does_not_load_warns_once_and_the_exact_path_runs(fake_npu_env, monkeypatch):
@@ -203,11 +294,72 @@ def test_builder_arguments_without_building(fake_npu_env, tmp_path):
         npu_builder.FusedEmaAdamBuilder(source_root=str(tmp_path)).sources()
 
 
+def test_builder_puts_torch_npu_headers_before_canns(fake_npu_env, tmp_path):
+    paths = npu_builder.FusedEmaAdamBuilder().include_paths()
+    npu_inc = os.path.join(str(tmp_path), "torch_npu", "include")
+    cann_inc = os.path.join(str(tmp_path), "cann", "include")
+    acl_inc = os.path.join(npu_inc, "third_party", "acl", "inc")
+    assert paths.index(npu_inc) < paths.index(acl_inc) < paths.index(cann_inc)  # MindSpeed's order
+
+
+SEARCH_PROGRAM = r"""
+#include <cstdio>
+#include "opapi_libs.h"
+int main() {
+  for (const std::string &lib : multi_tensor_npu::OpApiLibraryCandidates()) std::puts(lib.c_str());
+  return 0;
+}
+"""
+
+
+def test_library_search_order_follows_torch_npu(tmp_path):
+    """csrc/npu/opapi_libs.h compiled and run against a fake CANN layout (no CANN needed)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "search.cpp"
+    src.write_text(SEARCH_PROGRAM)
+    exe = tmp_path / "search"
+    build = subprocess.run([cxx, "-std=c++17", "-O0", "-I", os.path.join(REPO, "csrc", "npu"),
+                            str(src), "-o", str(exe), "-ldl"], capture_output=True, text=True,
+                           timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+
+    def touch(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+        return str(path)
+    custom_a = touch(tmp_path / "custom_a" / "op_api" / "lib" / "libcust_opapi.so")
+    (tmp_path / "custom_b").mkdir()  # an entry without the library is skipped
+    opp = tmp_path / "opp"
+    vendor_y = touch(opp / "vendors" / "vendor_y" / "op_api" / "lib" / "libcust_opapi.so")
+    vendor_x = touch(opp / "vendors" / "vendor_x" / "op_api" / "lib" / "libcust_opapi.so")
+    (opp / "vendors" / "config.ini").write_text("# vendors\nload_priority=vendor_y,vendor_x\n")
+    home = tmp_path / "home"
+    for name in ("libopapi_nn.so", "libopapi_math.so", "libopapi.so", "libopapi_cv.so.1",
+                 "libascendcl.so"):
+        touch(home / "lib64" / name)
+    env = dict(os.environ, ASCEND_CUSTOM_OPP_PATH=f"{tmp_path / 'custom_a'}:{tmp_path / 'custom_b'}",
+               ASCEND_OPP_PATH=str(opp), ASCEND_HOME_PATH=str(home))
+    out = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [
+        custom_a, vendor_y, vendor_x,                     # custom op packages first
+        "libopapi_math.so", "libopapi_nn.so",             # CANN's split op API libraries
+        "libopapi.so",
+        "libaclnn_ops_infer.so", "libaclnn_ops_train.so", "libaclnn_math.so",
+        "libaclnn_sparse.so", "libaclnn_fft.so", "libaclnn_rand.so"]  # the feature libraries
+    bare = {k: v for k, v in os.environ.items()
+            if k not in ("ASCEND_CUSTOM_OPP_PATH", "ASCEND_OPP_PATH", "ASCEND_HOME_PATH")}
+    out = subprocess.run([str(exe)], capture_output=True, text=True, env=bare, timeout=60)
+    assert out.stdout.split()[0] == "libopapi.so" and len(out.stdout.split()) == 7
+
+
 def test_binding_source_checks_the_contract():
     with open(os.path.join(REPO, "csrc", "npu", "fused_ema_adam.cpp")) as f:
         text = f.read()
     for needle in ("aclnnApplyFusedEmaAdamGetWorkspaceSize", "aclnnApplyFusedEmaAdam\"",
-                   "libopapi.so", "OpCommand", "SetCustomHandler", "at::kLong",
+                   "opapi_libs.h", "OpApiSymbol", "OpCommand", "SetCustomHandler", "at::kLong",
                    "is_contiguous", "PYBIND11_MODULE", "double lr", "bool bias_correction"):
         assert needle in text, needle
 
@@ -221,10 +373,17 @@ def test_npu_check_stand_in_runs(tmp_path):
     out = tmp_path / "check.json"
     rc = npu_check.main(["--stand-in", "--numel", "20000", "--tensors", "6", "--steps", "1",
                          "--warmup", "0", "--parity-numel", "5000", "--parity-tensors", "5",
-                         "--parity-steps", "3", "--json", str(out)])
+                         "--parity-steps", "3", "--ema-steps", "20", "--rounding-samples", "4000",
+                         "--copy-numel", "4096", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert not result["failed"]
-    steady = result["results"]["cann_literal EMA coefficients"]["steady"]
-    assert -2e-4 < steady < -1e-4  # fp32(d) + fp32(1 - d) != 1 at d = 0.9999
+    res = result["results"]
+    # the kernel's 1 - fp32(d): d_eff + (1-d)_eff == 1, so a constant is the EMA's fixed point
+    assert res["cann_literal EMA coefficients"]["d"] + res["cann_literal EMA coefficients"]["omd"] == 1.0
+    assert res["cann_literal EMA coefficients"]["steady"] == 0.0
+    assert res["operator complements"]["ok"] and res["operator complements"]["model"].startswith("fp32")
+    for name in ("fp64 foreach", "fp32 sqrt correctly rounded", "fp32 div correctly rounded",
+                 "built-in binding", "converting copy", "launch over 2^31 elements"):
+        assert name in res, name
     assert any(k.startswith("ours cann") for k in result["results"]["bench_ms"])

@@ -14,8 +14,10 @@
 // step an int64 tensor of shape [1] on that device; lr, ema_decay, betas, eps, weight_decay
 // doubles; mode 0 (Adam, L2) or 1 (AdamW); bias_correction a bool.
 //
-// Like MindSpeed's ACLNN_CMD, the two-phase aclnn API is resolved at run time from CANN's op API
-// library (libcust_opapi.so first, then libopapi.so), the workspace is taken from torch_npu's
+// Like torch_npu's EXEC_NPU_CMD, the two-phase aclnn API is resolved at run time from the libraries
+// torch_npu searches, in its order (custom op packages' libcust_opapi.so, CANN's libopapi_*.so,
+// libopapi.so, then the feature libraries such as libaclnn_ops_train.so: opapi_libs.h, which
+// cites op-plugin's GetOpApiFuncAddr), the workspace is taken from torch_npu's
 // caching allocator, and the launch goes through torch_npu's task queue (OpCommand with a custom
 // handler), so it is ordered with every other op on the current stream.
 //
@@ -32,6 +34,7 @@
 #include <torch/extension.h>
 
 #include "acl/acl.h"
+#include "opapi_libs.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 #include "torch_npu/csrc/framework/OpCommand.h"
 
@@ -56,15 +59,7 @@ using InitHugeMemFn = int (*)(void *, bool);
 using UnInitHugeMemFn = void (*)(void *, bool);
 using ReleaseHugeMemFn = void (*)(void *, bool);
 
-void *OpApiSymbol(const char *name) {
-  static void *custom = dlopen("libcust_opapi.so", RTLD_LAZY);
-  static void *opapi = dlopen("libopapi.so", RTLD_LAZY);
-  void *addr = custom != nullptr ? dlsym(custom, name) : nullptr;
-  if (addr == nullptr && opapi != nullptr) {
-    addr = dlsym(opapi, name);
-  }
-  return addr;
-}
+using multi_tensor_npu::OpApiSymbol;
 
 struct OpApi {
   CreateTensorFn create_tensor = nullptr;
@@ -91,7 +86,8 @@ const OpApi &Api() {
   static const OpApi api;
   TORCH_CHECK(api.create_tensor != nullptr && api.destroy_tensor != nullptr,
               "npu_apply_fused_ema_adamw: aclCreateTensor/aclDestroyTensor not found in "
-              "libcust_opapi.so or libopapi.so (is CANN's set_env.sh sourced?)");
+              "CANN's op API libraries (libopapi.so, libopapi_*.so, libaclnn_*.so; is CANN's "
+              "set_env.sh sourced?)");
   TORCH_CHECK(api.workspace_size != nullptr && api.run != nullptr,
               "npu_apply_fused_ema_adamw: aclnnApplyFusedEmaAdam not found in this CANN's op API "
               "library (it ships for Atlas A2/A3 and Ascend 950 with CANN 8.0 or later)");

@@ -106,14 +106,12 @@ from ..rules import StepScalars
 from . import flat, fp32_exact, npu_ops, reference
 from . import registry
 from .registry import Backend, register_backend
+from .npu_loader import (  # noqa: F401  (re-exported: the loader lives in npu_loader)
+    SUPPORTED_CHIP_PREFIXES, DeviceOp, _device_name, _ensure_torch_npu, load_device_op)
 
 OP_MODES = ("torch", "cann", "cann_literal")
 CANN_OPS = ("fused_ema_adamw",)
 CANN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SUPPORTED_CHIP_PREFIXES = ("Ascend910B", "Ascend910_93", "Ascend950")
-"""``torch_npu.npu.get_device_name()`` prefixes of chips with ``aclnnApplyFusedEmaAdam``
-(Atlas A2 training series "Ascend910B*", Atlas A3 "Ascend910_93*", Ascend 950)."""
-
 MAX_LAUNCH_NUMEL = 2 ** 30
 """Elements per operator launch; larger buckets take several launches over slices (a guard: CANN
 documents no size limit, this keeps any 32-bit element index inside the kernel safe)."""
@@ -174,84 +172,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-# --- the device operator ----------------------------------------------------------------------
-
-def _ensure_torch_npu() -> None:
-    import torch_npu  # noqa: F401  (only ever for tensors on an npu device)
-
-
-def load_device_op() -> Tuple[Callable, str]:
-    """CANN's fused EMA-Adam operator as a Python callable, and where it came from.
-
-    ``fn(grad, var, m, v, s, step, lr, ema_decay, beta1, beta2, eps, mode, bias_correction,
-    weight_decay) -> (var, m, v, s)``, in place (MindSpeed's signature). MindSpeed's op when
-    MindSpeed is installed (``MULTI_TENSOR_NPU_BINDING=auto``, the default, or ``mindspeed``),
-    else this package's binding, compiled on first use (``builtin``).
-    """
-    _ensure_torch_npu()
-    which = os.environ.get("MULTI_TENSOR_NPU_BINDING", "auto") or "auto"
-    if which not in ("auto", "mindspeed", "builtin"):
-        raise ValueError(f"MULTI_TENSOR_NPU_BINDING={which!r}: choose auto, mindspeed or builtin")
-    if which in ("auto", "mindspeed"):
-        try:
-            import importlib
-
-            module = importlib.import_module("mindspeed.ops.npu_apply_fused_ema_adamw")
-        except ImportError:
-            if which == "mindspeed":
-                raise
-        else:
-            builder = getattr(module, "fused_ema_adamw_op_builder", None)
-            if builder is not None:  # MindSpeed compiles on first call: do it now, to fail here
-                builder.load()
-            return module.npu_apply_fused_ema_adamw, "mindspeed"
-    from . import npu_builder
-
-    module = npu_builder.FusedEmaAdamBuilder().load()
-    return module.npu_apply_fused_ema_adamw, f"multi_tensor ({npu_builder.FusedEmaAdamBuilder.NAME})"
-
-
-def _device_name(device: torch.device) -> str:
-    import torch_npu
-
-    index = device.index if device.index is not None else torch_npu.npu.current_device()
-    return str(torch_npu.npu.get_device_name(index))
-
-
-class DeviceOp:
-    """The device operator of one backend, loaded on first use; ``None`` and a reason if unusable.
-
-    ``fn``: a given callable (the CPU stand-in's), else :func:`load_device_op` on first use.
-    """
-
-    def __init__(self, fn: Optional[Callable] = None):
-        self._fn = fn
-        self.source = "given" if fn is not None else None
-        self._error: Optional[str] = None
-        self._chips: Dict[Optional[int], Optional[str]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, device: torch.device) -> Tuple[Optional[Callable], Optional[str]]:
-        if device.type == "npu":
-            if device.index not in self._chips:
-                name = _device_name(device)
-                self._chips[device.index] = (
-                    None if name.startswith(SUPPORTED_CHIP_PREFIXES) else
-                    f"{name} has no aclnnApplyFusedEmaAdam (Atlas A2/A3 and Ascend 950 only)")
-            why = self._chips[device.index]
-            if why is not None:
-                return None, why
-        with self._lock:
-            if self._fn is None and self._error is None:
-                try:
-                    self._fn, self.source = load_device_op()
-                except Exception as exc:  # no MindSpeed and the binding did not build, ...
-                    self._error = f"{type(exc).__name__}: {exc}"
-        if self._fn is None:
-            return None, f"the CANN operator did not load ({self._error})"
-        return self._fn, None
 
 
 # --- the per-step scalars, folded into the operator's arguments --------------------------------

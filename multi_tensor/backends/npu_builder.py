@@ -1,12 +1,12 @@
 """Builds the NPU backend's CANN binding (``csrc/npu/fused_ema_adam.cpp``) on first use.
 
 Used only when MindSpeed (which ships the same operator binding) is not installed. Modelled on
-MindSpeed's ``MindSpeedOpBuilder``: ``torch.utils.cpp_extension.load`` with CANN's and
-torch_npu's include directories and ``-lascendcl -ltorch_npu``; the built module is cached by
+MindSpeed's ``MindSpeedOpBuilder``: ``torch.utils.cpp_extension.load`` with torch_npu's and
+CANN's include directories (torch_npu's first) and ``-lascendcl -ltorch_npu``; the built module is cached by
 torch in ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and reused by later
-processes. The binding resolves ``aclnnApplyFusedEmaAdam`` at run time from ``libopapi.so``
-(CANN's op API library; ``libcust_opapi.so`` first, as MindSpeed does), so it builds against any
-CANN that has the headers named below.
+processes. The binding resolves ``aclnnApplyFusedEmaAdam`` at run time from the libraries torch_npu
+searches, in its order (``csrc/npu/opapi_libs.h``), so it builds against any CANN that has the
+headers named below.
 
 Needs: torch_npu (importable), CANN (``ASCEND_HOME_PATH`` or ``ASCEND_TOOLKIT_HOME``, as set by
 CANN's ``set_env.sh``; else ``/usr/local/Ascend/ascend-toolkit/latest``), a C++17 compiler.
@@ -63,20 +63,26 @@ class FusedEmaAdamBuilder:
         return paths
 
     def include_paths(self) -> List[str]:
+        """torch_npu's include directories before CANN's, as MindSpeed's builder orders them
+        (``mindspeed/op_builder/builder.py``, ``MindSpeedOpBuilder.include_paths``: torch_npu's
+        ``include``, ``include/third_party/hccl/inc``, ``include/third_party/acl/inc``, then
+        ``$ASCEND_HOME_PATH/include``; ``fused_ema_adamw_builder.py`` appends torch's and
+        torch_npu's framework directories): the acl headers torch_npu was built against win over
+        a different CANN's."""
         import torch
 
         cann, npu = self.cann_path(), self.torch_npu_path()
         torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
         return [
+            os.path.join(npu, "include"),
+            os.path.join(npu, "include", "third_party", "hccl", "inc"),
+            os.path.join(npu, "include", "third_party", "acl", "inc"),
             os.path.join(cann, "include"),
             os.path.join(cann, "include", "aclnn"),
-            os.path.join(npu, "include"),
-            os.path.join(npu, "include", "third_party", "acl", "inc"),
-            os.path.join(npu, "include", "third_party", "hccl", "inc"),
-            os.path.join(npu, "include", "torch_npu", "csrc", "framework", "utils"),
-            os.path.join(npu, "include", "torch_npu", "csrc", "aten"),
             os.path.join(torch_dir, "include"),
             os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"),
+            os.path.join(npu, "include", "torch_npu", "csrc", "framework", "utils"),
+            os.path.join(npu, "include", "torch_npu", "csrc", "aten"),
         ]
 
     def cxx_args(self) -> List[str]:
