@@ -392,21 +392,20 @@ def _adam_rest(base, end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_
                l2, decoupled, use_denom, maximize, inv_scale,
                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
                EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """``base <= i < end`` element by element: whole half blocks unmasked, then one masked
-    half block (every list in the same 1-D layout, one element per access)."""
+               RB: tl.constexpr):
+    """``base <= i < end`` element by element: whole blocks of RB elements unmasked, then one
+    masked block (every list in the same 1-D layout, one element per access)."""
     IS64: tl.constexpr = P_DT == 3
     MATH: tl.constexpr = tl.float64 if P_DT == 3 else tl.float32
-    IB: tl.constexpr = BLOCK // 2
-    while base + IB <= end:  # whole blocks, unmasked
-        offs = base + tl.arange(0, IB)
+    while base + RB <= end:  # whole blocks, unmasked
+        offs = base + tl.arange(0, RB)
         _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
                     s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
                     step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
                     G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
-        base += IB
+        base += RB
     if base < end:  # the tail: one masked block
-        offs = base + tl.arange(0, IB)
+        offs = base + tl.arange(0, RB)
         _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d,
                     s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
                     eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
@@ -476,10 +475,15 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
                               lr_wd, isb2, eps, step_size, ema_w, l2, decoupled, use_denom,
                               maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER,
                               HAS_SCALE, True, False, BLOCK)
+        # the element-by-element blocks: half blocks; beside _adam_vec, a size of their own
+        # (fp64: a quarter block, as _adam_vec runs half blocks there). Two loops on blocks of
+        # one size share their ranges and constants (merged as equal values), and with them one
+        # layout: the vector one, converted through shared memory at every scalar access.
+        RB: tl.constexpr = BLOCK // 4 if IS64 and ALIGN == 1 else BLOCK // 2
         _adam_rest(base, end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
                    w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size,
                    ema_w, l2, decoupled, use_denom, maximize, inv_scale, G_DT, P_DT, S_DT, E_DT,
-                   EMA, MASTER, HAS_SCALE, BLOCK)
+                   EMA, MASTER, HAS_SCALE, RB)
 
 
 @triton.jit
@@ -537,17 +541,20 @@ def _nonfinite_kernel(table, n_chunks, chunk, g_base, noop, NL: tl.constexpr,
             b = tl.where(vec, b, start)
         base = b
     if ALIGN != 2:
-        # the rest element by element: whole blocks unmasked, then one masked block (its own
-        # accumulator: the vector loop's has another layout)
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
-        while base + BLOCK <= end:
-            offs = base + tl.arange(0, BLOCK)
+        # the rest element by element: whole blocks unmasked, then one masked block; beside
+        # the vector loop, in half blocks (blocks of one size would share the accumulator's
+        # zeros and their ranges, merged as equal values, and with them the vector layout,
+        # converted through shared memory)
+        RB: tl.constexpr = BLOCK // 2 if ALIGN == 1 else BLOCK
+        bad = tl.zeros([RB], dtype=tl.int32)
+        while base + RB <= end:
+            offs = base + tl.arange(0, RB)
             g = _ld(g_base, g_d, offs, None, G_DT, MATH)
             f = g - g
             bad = bad | (f != f).to(tl.int32)
-            base += BLOCK
+            base += RB
         if base < end:
-            offs = base + tl.arange(0, BLOCK)
+            offs = base + tl.arange(0, RB)
             g = _ld(g_base, g_d, offs, offs < end, G_DT, MATH)
             f = g - g
             bad = bad | (f != f).to(tl.int32)
