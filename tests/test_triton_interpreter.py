@@ -324,6 +324,78 @@ for _kind in ("channels_last", "transposed", "sliced"):
     case(f"layout-{_kind}")(lambda k=_kind: _layout_case(k))
 
 
+def _offset_view(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """``t``'s values in a view at element ``offset`` of a larger buffer (a grad in a flat
+    DDP/FSDP buffer)."""
+    buf = torch.zeros(t.numel() + offset, dtype=t.dtype)
+    buf[offset:] = t.reshape(-1)
+    return buf[offset:].view(t.shape)
+
+
+def _chunk_alignment_case(dtype: str, row: int, moved: str):
+    """One tensor of list ``moved`` (grads or exp_avgs) is a view at element offset 1 of a
+    larger buffer (16-byte misaligned) in a bucket whose other tensors are aligned, and one
+    grad a view at an offset of 16 bytes (aligned): the launch decides per chunk, the chunks of
+    the aligned tensors take the 128-bit path (the misalignment the kernel reads is 0 for
+    them), the misaligned tensor's chunks do not (its list's bit), and every step (with the
+    non-finite scan) gives the reference's bits. A vector path taken by a misaligned chunk
+    would read re-derived (rounded-down) offsets, so the bitwise comparison also checks the
+    branch taken. Rebound to aligned grads, a grads-only misalignment leaves the bucket fully
+    aligned (no branch)."""
+    from multi_tensor.backends.triton_kernels import ALIGN_ALL, ALIGN_CHUNK
+    k = _k()
+    op = "fused_ema_adamw"
+    h = _hyper(op)
+    lists = make_lists(op, dtype, SHAPES)
+    li = {"grads": 0, "exp_avgs": 2}[moved]
+    lists[li][row] = _offset_view(lists[li][row], 1)
+    other = 3 if row != 3 else 5
+    lists[0][other] = _offset_view(lists[0][other], 16 // lists[0][other].element_size())
+    want = clone(lists)
+    bucket = k.AdamBucket(op, named_lists(op, lists).state(), 2048)
+    zero = torch.zeros(1, dtype=torch.int32)
+    chunk_rows = bucket._rows
+    for step in (1, 2):
+        assert bucket.bind(lists[0])
+        assert bucket.align_mode() == ALIGN_CHUNK, bucket.align_mode()
+        mis = bucket.chunk_misalignment()
+        want_mis = np.where(chunk_rows == row, 1 << li, 0)
+        assert mis.tolist() == want_mis.tolist(), (mis.tolist(), want_mis.tolist())
+        assert (mis == 0).sum() >= 3 and (mis != 0).sum() >= 1, "nothing was tested"
+        c = rules.step_scalars(h, step)
+        bucket.run(zero, c, None, True)
+        ref_adam(want, c, None, True)
+        assert int(zero.item()) == 0
+        assert_lists_equal(lists, want, f"{dtype} misaligned {moved}[{row}] step {step}")
+    grads = [g.clone() for g in lists[0]]  # fresh allocations: all aligned
+    assert bucket.bind(grads)
+    assert bucket.align_mode() == (ALIGN_ALL if moved == "grads" else ALIGN_CHUNK)
+    assert bool(np.all(bucket.chunk_misalignment() == (0 if moved == "grads" else
+                                                      np.where(chunk_rows == row, 1 << li, 0))))
+    c = rules.step_scalars(h, 3)
+    bucket.run(zero, c, None, True)
+    ref_adam([grads] + want[1:], c, None, True)
+    assert_lists_equal(lists[1:], want[1:], f"{dtype} misaligned {moved}[{row}] rebound")
+    # a non-finite value in the misaligned grad is found by the per-chunk scan
+    if moved == "grads":
+        bad = list(lists[0])
+        bad[row].view(-1)[-1] = float("inf")  # in place: the misaligned view itself
+        assert bucket.bind(bad)
+        before = clone(lists)
+        bucket.run(zero, rules.step_scalars(h, 4), None, True)
+        assert int(zero.item()) == 1, "the non-finite grad was not found"
+        assert_lists_equal(lists[1:], before[1:], "a non-finite step changed the state")
+
+
+# (3000,): two chunks of 2048 (a whole-block loop and a tail each side), (1,): the first row
+for _dt in ("fp32", "bf16_master", "fp32_gbf16", "fp16_plain_ema_bf16", "fp64"):
+    for _row in (5, 0):
+        case(f"chunk-alignment-grad{_row}-{_dt}")(
+            lambda d=_dt, r=_row: _chunk_alignment_case(d, r, "grads"))
+    case(f"chunk-alignment-exp_avg5-{_dt}")(
+        lambda d=_dt: _chunk_alignment_case(d, 5, "exp_avgs"))
+
+
 @case("bucket-rebind-and-refuse")
 def _bucket_rebind():
     k = _k()

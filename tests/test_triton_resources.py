@@ -1,8 +1,8 @@
 """What the Triton backend's kernels cost an sm_90a GPU, checked on this CPU machine.
 
 Every kernel variant the backend can launch (``triton_aot.aot_variants``: every op, list form,
-dtype combination, ALIGNED and not) is compiled for sm_90a and assembled by Triton's bundled
-``ptxas -v``. Asserted:
+dtype combination, aligned per bucket, per chunk or not) is compiled for sm_90a and assembled
+by Triton's bundled ``ptxas -v``. Asserted:
 
 * no shared memory (``ld/st.shared``) and no barrier (``bar.sync``) in the PTX of the
   elementwise kernels (Adam family, scale, the non-finite check). A layout conversion between
@@ -13,10 +13,16 @@ dtype combination, ALIGNED and not) is compiled for sm_90a and assembled by Trit
 * at most 96 registers per thread (at most 80 when every list is fp32), so that enough warps fit
   on an SM to keep the loads in flight. The step-scalars kernel runs one thread once per step:
   its register count does not matter and is not limited;
-* in the ALIGNED variants, every unmasked global load and store of every list is 128-bit
-  (``ld/st.global.v4.b32``; fp64: ``.v2.b64``; 16-bit lists are moved as packed 32-bit words),
-  counted per list: each access is traced back to the kernel parameter its address derives
-  from. The masked tail of a tensor (predicated accesses) is element by element.
+* in the aligned variants (``ALIGN_ALL``, scale's and the sum of squares' ``ALIGNED``), every
+  unmasked global load and store of every list is 128-bit (``ld/st.global.v4.b32``; fp64:
+  ``.v2.b64``; 16-bit lists are moved as packed 32-bit words), counted per list: each access is
+  traced back to the kernel parameter its address derives from. The masked tail of a tensor
+  (predicated accesses) is element by element;
+* in the variants that decide per chunk (``ALIGN_CHUNK``: a tensor at a misaligned address,
+  such as a grad view into a flat buffer, in a bucket of aligned ones), the two branches are
+  counted apart per list: the aligned chunks' whole blocks in exactly the 128-bit accesses of
+  the aligned variant, the element-by-element loop in accesses of one element (one per element
+  of its block per thread), nothing of another width; ``ALIGN_NONE``: no 128-bit access.
 
 What this proves: the code the GPU would run has no shared-memory round trip, no spills, an
 occupancy the register count allows, and full-width memory transactions. What it cannot prove:
@@ -202,39 +208,99 @@ def _dtype_of(kernel, arg, cx) -> int:
             "_sumsq_kernel": dict(base=cx.get("DT"))}[kernel.__name__][arg]
 
 
-ALIGNED = [n for n in VARIANTS if VARIANTS[n][1].__name__ in LISTS
-           and VARIANTS[n][3].get("ALIGNED")]
+def _align(cx) -> int:
+    """The variant's ALIGN mode (scale and the sum of squares: ALIGNED, all or none)."""
+    if "ALIGN" in cx:
+        return cx["ALIGN"]
+    return K.ALIGN_ALL if cx.get("ALIGNED") else K.ALIGN_NONE
 
 
-@pytest.mark.parametrize("name", ALIGNED)
-def test_aligned_accesses_are_128_bit(name):
+def _scalar_per_thread(kernel, cx) -> int:
+    """Elements per thread of one element-by-element block: the Adam kernel's are half blocks
+    (a quarter in fp64 beside the 128-bit loop), the non-finite scan's whole blocks (half beside
+    the 128-bit loop)."""
+    block, chunk = cx["BLOCK"], _align(cx) == K.ALIGN_CHUNK
+    if kernel.__name__ == "_adam_kernel":
+        block //= 4 if chunk and cx["P_DT"] == K.F64 else 2
+    elif chunk:
+        block //= 2
+    return block // (32 * K.NUM_WARPS)
+
+
+_WIDE = re.compile(r"\.v4\.b32$|\.v2\.b64$")
+
+
+def _body_accesses(name):
+    """{(list, 'ld'/'st'): [mnemonic of each unmasked access]} of a variant's global accesses
+    (the list each access derives from), after checking that no access derives from two."""
     ptx, _, _ = compiled(name)
     kernel, lists, cx = _lists_of(name)
     index = {a: i for i, a in enumerate(kernel.arg_names)}
     acc = global_accesses(ptx)
+    out = {}
     for arg, how in lists.items():
         mine = [a for a in acc if index[arg] in a[3]]
         assert not [a for a in mine if len(a[3] & {index[x] for x in lists}) > 1], \
             f"{name}: an access derives from two lists"
         for kind in ("ld", "st"):
-            body = [a for a in mine if a[0] == kind and not a[2]]
+            body = [a[1] for a in mine if a[0] == kind and not a[2]]
             if ("r" if kind == "ld" else "w") not in how:
                 assert not body, f"{name}: {arg} is not {'read' if kind == 'ld' else 'written'}"
                 continue
-            narrow = sorted({a[1] for a in body if not re.search(r"\.v4\.b32$|\.v2\.b64$", a[1])})
-            assert body, f"{name}: no unmasked {kind}.global of {arg}"
-            assert not narrow, f"{name}: {arg}: unmasked {kind}.global narrower than 128 bits: " \
-                               f"{narrow} ({len(body)} accesses)"
-            # each element of a whole block moved once: (elements per thread) x size / 16 bytes
-            want = _per_thread(kernel, cx) * ELEMENT_SIZE[_dtype_of(kernel, arg, cx)] // 16
-            assert len(body) == want, \
-                f"{name}: {arg}: {len(body)} unmasked 128-bit {kind}.global, expected {want}"
+            out[arg, kind] = body
+    return kernel, cx, out
+
+
+ALIGNED = [n for n in VARIANTS if VARIANTS[n][1].__name__ in LISTS
+           and _align(VARIANTS[n][3]) == K.ALIGN_ALL]
+BRANCHED = [n for n in VARIANTS if VARIANTS[n][1].__name__ in LISTS
+            and _align(VARIANTS[n][3]) != K.ALIGN_ALL]
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_aligned_accesses_are_128_bit(name):
+    kernel, cx, body = _body_accesses(name)
+    for (arg, kind), mns in body.items():
+        narrow = sorted({mn for mn in mns if not _WIDE.search(mn)})
+        assert mns, f"{name}: no unmasked {kind}.global of {arg}"
+        assert not narrow, f"{name}: {arg}: unmasked {kind}.global narrower than 128 bits: " \
+                           f"{narrow} ({len(mns)} accesses)"
+        # each element of a whole block moved once: (elements per thread) x size / 16 bytes
+        want = _per_thread(kernel, cx) * ELEMENT_SIZE[_dtype_of(kernel, arg, cx)] // 16
+        assert len(mns) == want, \
+            f"{name}: {arg}: {len(mns)} unmasked 128-bit {kind}.global, expected {want}"
+
+
+@pytest.mark.parametrize("name", BRANCHED)
+def test_chunk_branches_are_told_apart(name):
+    """ALIGN_CHUNK (the choice made per chunk): per list, the aligned chunks' whole blocks
+    moved in 128-bit accesses (each element once) and the element-by-element loop in accesses
+    of one element (each element of its block once), nothing of another width. ALIGN_NONE: only
+    the element-by-element loop, no 128-bit access."""
+    kernel, cx, body = _body_accesses(name)
+    chunk = _align(cx) == K.ALIGN_CHUNK
+    for (arg, kind), mns in body.items():
+        size = ELEMENT_SIZE[_dtype_of(kernel, arg, cx)]
+        one = re.compile(rf"\.b{8 * size}$")
+        wide = [mn for mn in mns if _WIDE.search(mn)]
+        single = [mn for mn in mns if one.search(mn) and not _WIDE.search(mn)]
+        other = sorted(set(mns) - set(wide) - set(single))
+        assert not other, f"{name}: {arg}: unmasked {kind}.global of other widths: {other}"
+        want_wide = _per_thread(kernel, cx) * size // 16 if chunk else 0
+        assert len(wide) == want_wide, \
+            f"{name}: {arg}: {len(wide)} unmasked 128-bit {kind}.global, expected {want_wide}"
+        want_single = _scalar_per_thread(kernel, cx)
+        assert len(single) == want_single, \
+            f"{name}: {arg}: {len(single)} unmasked one-element {kind}.global, expected " \
+            f"{want_single}"
 
 
 def test_every_op_list_form_and_dtype_is_covered():
     """The variant list covers what the backend can launch: every Adam-family dtype path
-    (params x grads x masters x EMA storage) ALIGNED and not, with and without a grad scale;
-    scale for every (src, dst) pair both ways; the helper scans for every dtype both ways."""
+    (params x grads x masters x EMA storage) in every ALIGN mode, with and without a grad
+    scale; the non-finite scan for every dtype in every ALIGN mode; scale for every (src, dst)
+    pair and the sum of squares for every dtype, ALIGNED and not."""
+    modes = (K.ALIGN_ALL, K.ALIGN_CHUNK, K.ALIGN_NONE)
     dts = (K.F32, K.F16, K.BF16)
     want = set()
     for p in dts:
@@ -242,22 +308,24 @@ def test_every_op_list_form_and_dtype_is_covered():
             for master in (False, True):
                 s = K.F32 if master else p
                 for e in (None, s, K.BF16):
-                    for aligned in (False, True):
-                        want.add((p, g, master, e, aligned))
-    want |= {(K.F64, K.F64, False, e, a) for e in (None, K.F64) for a in (False, True)}
+                    for align in modes:
+                        want.add((p, g, master, e, align))
+    want |= {(K.F64, K.F64, False, e, a) for e in (None, K.F64) for a in modes}
     got, scales = set(), set()
     for name, kernel, sig, cx in VARIANTS.values():
         if kernel.__name__ == "_adam_kernel":
             got.add((cx["P_DT"], cx["G_DT"], cx["MASTER"], cx["E_DT"] if cx["EMA"] else None,
-                     cx["ALIGNED"]))
+                     cx["ALIGN"]))
             scales.add((cx["P_DT"], cx["G_DT"], cx["MASTER"], cx["HAS_SCALE"]))
     assert want <= got, f"Adam variants not covered: {sorted(want - got)}"
     assert {s[3] for s in scales} == {False, True}
     every = (K.F32, K.F16, K.BF16, K.F64)
-    for kname, keys in (("_scale_kernel", ("S_DT", "D_DT")), ("_nonfinite_kernel", ("G_DT",)),
-                        ("_sumsq_kernel", ("DT",))):
-        have = {tuple(cx[k] for k in keys) + (cx["ALIGNED"],)
+    for kname, keys, flags in (("_scale_kernel", ("S_DT", "D_DT"), (True, False)),
+                               ("_nonfinite_kernel", ("G_DT",), modes),
+                               ("_sumsq_kernel", ("DT",), (True, False))):
+        key = "ALIGN" if kname == "_nonfinite_kernel" else "ALIGNED"
+        have = {tuple(cx[k] for k in keys) + (cx[key],)
                 for _, kernel, _, cx in VARIANTS.values() if kernel.__name__ == kname}
-        need = {tuple(c) + (a,) for a in (False, True)
+        need = {tuple(c) + (a,) for a in flags
                 for c in itertools.product(every, repeat=len(keys))}
         assert need <= have, f"{kname}: not covered: {sorted(need - have)}"

@@ -10,22 +10,25 @@ import functools
 
 import triton
 
-from .triton_kernels import (BF16, BLOCK, COMPILE_OPTIONS, F16, F32, F64, NORM_BLOCK,
-                             NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel, _nonfinite_kernel,
-                             _rowsum_kernel, _scale_kernel, _step_scalars_kernel, _sumsq_kernel,
-                             _total_kernel)
+from .triton_kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BF16, BLOCK, COMPILE_OPTIONS,
+                             F16, F32, F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS,
+                             _adam_kernel, _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
+                             _step_scalars_kernel, _sumsq_kernel, _total_kernel)
 
 
 _PTR = {F32: "*fp32", F16: "*fp16", BF16: "*i16", F64: "*fp64"}
+# the ALIGN modes of the Adam kernel and the non-finite scan, as the variant names spell them
+ALIGN_NAMES = {ALIGN_ALL: "aligned", ALIGN_CHUNK: "chunk", ALIGN_NONE: "unaligned"}
 
 
 def aot_variants():
     """(name, kernel, signature, constexprs): every kernel of triton_kernels, specialised as the
     backend can launch it, for the ahead-of-time PTX and resource checks. Adam family: every
-    dtype path (params x grads x masters x EMA storage: none, the state dtype or bf16), each
-    ALIGNED and not, one of the two with a grad scale; scale: every (src, dst) dtype pair, the
-    non-finite check and l2norm's sum of squares: every dtype, each ALIGNED and not; the l2norm
-    combine phases; the device step kernel with fp32 and fp64 scalars, lr float or tensor."""
+    dtype path (params x grads x masters x EMA storage: none, the state dtype or bf16), in
+    each ALIGN mode (every chunk aligned, aligned per chunk, none), with and without a grad
+    scale (alternating); the non-finite check: every dtype in each ALIGN mode; scale and
+    l2norm's sum of squares: every dtype (pair), ALIGNED and not; the l2norm combine phases;
+    the device step kernel with fp32 and fp64 scalars, lr float or tensor."""
     out = []
     combos = []  # (param, grad, master, ema storage: None = no EMA)
     for p in (F32, F16, BF16):
@@ -38,11 +41,11 @@ def aot_variants():
     for k, (p, g, master, e) in enumerate(combos):
         s = F32 if master else p
         ema = e is not None
-        for aligned in (True, False):
-            has_scale = (k % 2 == 0) == aligned
+        for align in (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE):
+            has_scale = (k + align) % 2 == 0
             name = (f"adam_p{p}_g{g}_{'master' if master else 'plain'}_"
                     f"{f'ema{e}' if ema else 'noema'}_{'scale' if has_scale else 'noscale'}_"
-                    f"{'aligned' if aligned else 'unaligned'}")
+                    f"{ALIGN_NAMES[align]}")
             math_ptr = "*fp64" if p == F64 else "*fp32"
             sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "g_base": _PTR[g],
                    "p_base": _PTR[p], "m_base": _PTR[s], "v_base": _PTR[s],
@@ -50,15 +53,16 @@ def aot_variants():
                    "w_base": "*fp32" if master else _PTR[p], "scal": math_ptr,
                    "noop": "*i32", "gscale": math_ptr}
             cx = dict(G_DT=g, P_DT=p, S_DT=s, E_DT=e if ema else s, EMA=ema, MASTER=master,
-                      HAS_SCALE=has_scale, ALIGNED=aligned, BLOCK=BLOCK)
+                      HAS_SCALE=has_scale, ALIGN=align, BLOCK=BLOCK)
             out.append((name, _adam_kernel, sig, cx))
-    for aligned in (True, False):
-        tag = "aligned" if aligned else "unaligned"
+    for align in (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE):
         for g in (F32, F16, BF16, F64):
             sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "g_base": _PTR[g],
                    "noop": "*i32"}
-            out.append((f"nonfinite_g{g}_{tag}", _nonfinite_kernel, sig,
-                        dict(NL=5, G_DT=g, ALIGNED=aligned, BLOCK=BLOCK)))
+            out.append((f"nonfinite_g{g}_{ALIGN_NAMES[align]}", _nonfinite_kernel, sig,
+                        dict(NL=5, G_DT=g, ALIGN=align, BLOCK=BLOCK)))
+    for aligned in (True, False):
+        tag = "aligned" if aligned else "unaligned"
         for sdt in (F32, F16, BF16, F64):
             for ddt in (F32, F16, BF16, F64):
                 sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "src_base": _PTR[sdt],

@@ -16,8 +16,8 @@ import torch
 
 from .. import rules
 from . import registry
-from .triton_kernels import (BLOCK, COMPILE_OPTIONS, DTYPE_CODE, F32,
-                             F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
+from .triton_kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BLOCK, COMPILE_OPTIONS,
+                             DTYPE_CODE, F32, F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
                              _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
                              _step_scalars_kernel, _sumsq_kernel, _total_kernel)
 
@@ -212,9 +212,12 @@ class AdamBucket:
         self._rows, starts, _ = _chunks(numels, self.chunk)
         self.n_chunks = len(self._rows)
         nl = 1 + len(self.state_lists)
-        host = np.zeros((nl + 2, self.n_chunks), dtype=np.int64)
+        # rows: the grads, the state lists, numel, start, and the chunks' misalignment (bit li:
+        # list li's offset is not a multiple of its vector width, 16 bytes; bit nl: the start
+        # is not a multiple of 16; the grads' bit 0 is tested in the kernel, as they move)
+        host = np.zeros((nl + 3, self.n_chunks), dtype=np.int64)
         self._bases = []
-        aligned = self.chunk % 16 == 0
+        modes = [ALIGN_ALL]
         for li, tensors in enumerate(self.state_lists):
             eff = []
             for i, t in enumerate(tensors):
@@ -223,17 +226,24 @@ class AdamBucket:
                     self._staged.append(st)
                     t = st.copy
                 eff.append(t)
-            base, col, ok = self._column(eff)
+            base, col, mode = self._column(eff)
             self._bases.append(base)
             host[li + 1] = col
-            aligned = aligned and ok
-        self._state_aligned = aligned
+            if eff:
+                width = 16 // eff[0].element_size()
+                host[nl + 2] |= (col % width != 0).astype(np.int64) << (li + 1)
+            modes.append(mode)
         host[nl] = self._numels[self._rows]
         host[nl + 1] = starts
+        host[nl + 2] |= (starts % 16 != 0).astype(np.int64) << nl
+        misaligned = host[nl + 2] != 0
+        # the state lists' part of the launch's ALIGN mode (the grads' part: their bind)
+        self._state_align = (ALIGN_NONE if min(modes) == ALIGN_NONE or bool(np.all(misaligned))
+                             else ALIGN_ALL if not np.any(misaligned) else ALIGN_CHUNK)
         self._nl = nl
         self._table = (to_device(torch.from_numpy(host), None, self.device)
                        if self.n_chunks else None)
-        self._g_aligned = True
+        self._g_aligned = ALIGN_ALL
         self._scal = torch.zeros(rules.N_SCALARS, dtype=self.math, device=self.device)
         self._hyp = torch.zeros(rules.N_HYPER, dtype=torch.float64, device=self.device)
         # the state tensors as bound, and their addresses (bind refuses when one moved)
@@ -250,16 +260,38 @@ class AdamBucket:
         self._home = (torch.cuda.current_stream(self.device)
                       if self.device.type == "cuda" else None)
 
-    def _column(self, tensors) -> Tuple[Optional[torch.Tensor], np.ndarray, bool]:
-        """A list's base pointer, its row of the table (per chunk) and whether all is aligned."""
+    def _column(self, tensors) -> Tuple[Optional[torch.Tensor], np.ndarray, int]:
+        """A list's base pointer, its row of the table (per chunk) and its alignment: ALIGN_ALL
+        (every address 16-byte aligned), ALIGN_CHUNK (some; the base is one of them, so an
+        offset that is a multiple of the vector width is an aligned address) or ALIGN_NONE."""
         live = [t for t, on in zip(tensors, self._live) if on]
         if not live:
-            return None, np.zeros(self.n_chunks, dtype=np.int64), True
-        base = live[0]
+            return None, np.zeros(self.n_chunks, dtype=np.int64), ALIGN_ALL
+        base = next((t for t in live if t.data_ptr() % 16 == 0), live[0])
         ptrs = np.asarray([t.data_ptr() if on else base.data_ptr()
                            for t, on in zip(tensors, self._live)], dtype=np.int64)
         col = _deltas(ptrs, base.data_ptr(), base.element_size())[self._rows]
-        return _base_view(base), col, bool(np.all(ptrs % 16 == 0))
+        ok = ptrs % 16 == 0
+        mode = ALIGN_ALL if ok.all() else ALIGN_CHUNK if ok.any() else ALIGN_NONE
+        return _base_view(base), col, mode
+
+    def align_mode(self) -> int:
+        """The ALIGN mode of the next launch: ALIGN_ALL when every chunk is aligned (no
+        branch), ALIGN_NONE when none can be, else ALIGN_CHUNK (the kernel decides per chunk)."""
+        return min(self._state_align, self._g_aligned)
+
+    def chunk_misalignment(self) -> np.ndarray:
+        """Per chunk, what keeps it from the 128-bit path (0: aligned), as the kernel reads it:
+        the table's misalignment row (bit li: list li's offset, bit ``nl``: the start) and bit
+        0 for the bound grads' offset. Reads the device table back (a host sync): for tests and
+        debugging, not for the step."""
+        if self._g_dtype is None:
+            raise RuntimeError("multi_tensor triton: chunk_misalignment() before a bind()")
+        if not self.n_chunks:
+            return np.zeros(0, dtype=np.int64)
+        table = self._table.cpu().numpy()
+        g_width = 16 // torch.empty(0, dtype=self._g_dtype).element_size()
+        return table[self._nl + 2] | (table[0] % g_width != 0).astype(np.int64)
 
     # --- grads ---------------------------------------------------------------------------------
     def _fits(self, t: torch.Tensor, row: int) -> bool:
@@ -490,7 +522,8 @@ class AdamBucket:
         if check_finite:
             _launch(_nonfinite_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
                     self.chunk, self._g_base, flag, NL=self._nl, G_DT=g_dt,
-                    ALIGNED=self.chunk % 16 == 0 and self._g_aligned, BLOCK=BLOCK)
+                    ALIGN=(ALIGN_CHUNK if self._g_aligned == ALIGN_ALL and self.chunk % 16
+                           else self._g_aligned), BLOCK=BLOCK)
         gscale = self._scal
         if grad_scale is not None:
             gscale = grad_scale.reshape(-1)[:1].to(device=self.device, dtype=self.math)
@@ -501,7 +534,7 @@ class AdamBucket:
                 b.get("emas", p_base), b.get("masters", p_base), self._scal, flag,
                 gscale, G_DT=g_dt, P_DT=self.p_dt, S_DT=self.s_dt, E_DT=self.e_dt,
                 EMA=self.ema, MASTER=self.master, HAS_SCALE=grad_scale is not None,
-                ALIGNED=self._state_aligned and self._g_aligned, BLOCK=BLOCK)
+                ALIGN=self.align_mode(), BLOCK=BLOCK)
         for st in self._staged:
             st.orig.copy_(st.copy)
 

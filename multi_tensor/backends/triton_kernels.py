@@ -50,6 +50,9 @@ from .. import rules
 F32, F16, BF16, F64 = 0, 1, 2, 3
 DTYPE_CODE = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16, torch.float64: F64}
 ELEMENT_SIZE = {F32: 4, F16: 2, BF16: 2, F64: 8}
+# alignment modes (the ALIGN constexpr of the Adam kernel and the non-finite scan): no chunk
+# vectorised, the choice made per chunk, every chunk vectorised (no branch)
+ALIGN_NONE, ALIGN_CHUNK, ALIGN_ALL = 0, 1, 2
 
 BLOCK = int(os.environ.get("MULTI_TENSOR_TRITON_BLOCK", "1024"))
 NUM_WARPS = int(os.environ.get("MULTI_TENSOR_TRITON_WARPS", "4"))
@@ -300,18 +303,124 @@ def _adam_rows(r8, end, MASKED: tl.constexpr, g_base, g_d, p_base, p_d, m_base, 
     _st_halves(p_base, p_d, r8, w0, w1, end, MASKED, P_DT, R)
 
 
+@triton.jit
+def _adam_vec(start, end, vec, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
+              w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
+              l2, decoupled, use_denom, maximize, inv_scale,
+              G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
+              EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+              CHECK: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr):
+    """The whole blocks of one chunk from ``start`` in 128-bit vectors; returns how many
+    elements they cover (0 when ``vec`` is false). CHECK: ``vec`` says whether this chunk is
+    aligned (every list's offset a multiple of its vector width, 16 bytes, and ``start`` a
+    multiple of 16); else the host has checked every chunk. TAIL: the chunk's tail too, one
+    masked block in the same layout (else the caller runs it element by element). The offsets are re-derived as
+    multiples (``(d >> k) << k``: equal to ``d`` in an aligned chunk, a multiple of the width
+    whatever ``d`` is), so the alignment the compiler sees holds by construction and is not
+    carried onto the values the element-by-element loop uses (a hint marks the op that made a
+    value, for every use of it)."""
+    IS64: tl.constexpr = P_DT == 3
+    MATH: tl.constexpr = tl.float64 if P_DT == 3 else tl.float32
+    # log2 of each list's vector width (16 bytes: 8 16-bit, 4 32-bit or 2 64-bit elements)
+    SG: tl.constexpr = 3 if G_DT == 1 or G_DT == 2 else (1 if G_DT == 3 else 2)
+    SP: tl.constexpr = 3 if P_DT == 1 or P_DT == 2 else (1 if P_DT == 3 else 2)
+    SS: tl.constexpr = 3 if S_DT == 1 or S_DT == 2 else (1 if S_DT == 3 else 2)
+    SE: tl.constexpr = 3 if E_DT == 1 or E_DT == 2 else (1 if E_DT == 3 else 2)
+    # each list's own offset (an absent list's stand-in is not derived: it stays the value it
+    # stands in for)
+    g_d = (g_d >> SG) << SG
+    p_d = (p_d >> SP) << SP
+    m_d = (m_d >> SS) << SS
+    v_d = (v_d >> SS) << SS
+    if EMA:
+        s_d = (s_d >> SE) << SE
+    if MASTER:
+        w_d = (w_d >> 2) << 2
+    first = (start >> 4) << 4
+    # One vector width per loop for every list: when 16-bit and 32-bit lists meet, rows of 8
+    # elements per thread (_adam_rows: one 128-bit vector of a 16-bit list, two of a 32-bit
+    # one); else one element layout for all (a 1-D block: the same 128-bit width for lists of
+    # one size). fp64 runs half blocks: 8 elements per thread of 6 lists, each with its own
+    # 64-bit address, would not fit in the register budget.
+    HAS16: tl.constexpr = (G_DT == 1 or G_DT == 2 or P_DT == 1 or P_DT == 2 or S_DT == 1
+                           or S_DT == 2 or (EMA and (E_DT == 1 or E_DT == 2)))
+    HAS32: tl.constexpr = (G_DT == 0 or P_DT == 0 or S_DT == 0 or MASTER
+                           or (EMA and E_DT == 0))
+    ROWS: tl.constexpr = HAS16 and HAS32
+    IB: tl.constexpr = BLOCK // 2 if IS64 else BLOCK
+    base = first
+    if CHECK:
+        base = tl.where(vec, first, end)  # not aligned: no whole block here
+    if ROWS:
+        R: tl.constexpr = BLOCK // 8
+        rows = tl.arange(0, R)[:, None] * 8
+        while base + BLOCK <= end:
+            # (base: a multiple of 16 plus whole blocks)
+            _adam_rows(tl.multiple_of(base, 16) + rows, end, False, g_base, g_d, p_base, p_d,
+                       m_base, m_d, v_base, v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2,
+                       omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w, l2, decoupled,
+                       use_denom, maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER,
+                       HAS_SCALE, R)
+            base += BLOCK
+        if TAIL and base < end:  # one masked block
+            _adam_rows(base + rows, end, True, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
+                       v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd,
+                       isb2, eps, step_size, ema_w, l2, decoupled, use_denom, maximize,
+                       inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, R)
+    else:
+        while base + IB <= end:
+            offs = tl.multiple_of(base, 16) + tl.arange(0, IB)
+            _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
+                        s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
+                        step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
+                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+            base += IB
+        if TAIL and base < end:  # one masked block
+            offs = base + tl.arange(0, IB)
+            _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d,
+                        s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
+                        eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
+                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+    if CHECK:
+        base = tl.where(vec, base, first)
+    return base - first
+
+
+@triton.jit
+def _adam_rest(base, end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
+               w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
+               l2, decoupled, use_denom, maximize, inv_scale,
+               G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
+               EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+               RB: tl.constexpr):
+    """``base <= i < end`` element by element: whole blocks of RB elements unmasked, then one
+    masked block (every list in the same 1-D layout, one element per access)."""
+    IS64: tl.constexpr = P_DT == 3
+    MATH: tl.constexpr = tl.float64 if P_DT == 3 else tl.float32
+    while base + RB <= end:  # whole blocks, unmasked
+        offs = base + tl.arange(0, RB)
+        _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
+                    s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
+                    step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
+                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+        base += RB
+    if base < end:  # the tail: one masked block
+        offs = base + tl.arange(0, RB)
+        _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d,
+                    s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
+                    eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
+                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+
+
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
 def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base, w_base, scal,
                  noop, gscale, G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr,
                  E_DT: tl.constexpr, EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                 ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     IS64: tl.constexpr = P_DT == 3
     MATH: tl.constexpr = tl.float64 if P_DT == 3 else tl.float32
     NL: tl.constexpr = 4 + EMA + MASTER
     VG: tl.constexpr = 8 if G_DT == 1 or G_DT == 2 else (2 if G_DT == 3 else 4)
-    VP: tl.constexpr = 8 if P_DT == 1 or P_DT == 2 else (2 if P_DT == 3 else 4)
-    VS: tl.constexpr = 8 if S_DT == 1 or S_DT == 2 else (2 if S_DT == 3 else 4)
-    VE: tl.constexpr = 8 if E_DT == 1 or E_DT == 2 else (2 if E_DT == 3 else 4)
     pid = tl.program_id(0).to(tl.int64)
     n = n_chunks.to(tl.int64)
     g_d = tl.load(table + pid)
@@ -326,18 +435,6 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
         w_d = tl.load(table + (NL - 1) * n + pid)
     numel = tl.load(table + NL * n + pid)
     start = tl.load(table + (NL + 1) * n + pid)
-    if ALIGNED:  # (tl.multiple_of must be applied here: a jit helper's hint is lost)
-        # each list's own offset (an absent list's stand-in is never hinted: the hint would mark
-        # the value it stands in for, and the last hint on a value wins)
-        g_d = tl.multiple_of(g_d, VG)
-        p_d = tl.multiple_of(p_d, VP)
-        m_d = tl.multiple_of(m_d, VS)
-        v_d = tl.multiple_of(v_d, VS)
-        if EMA:
-            s_d = tl.multiple_of(s_d, VE)
-        if MASTER:
-            w_d = tl.multiple_of(w_d, 4)
-        start = tl.multiple_of(start, 16)
     end = tl.minimum(start + chunk.to(tl.int64), numel)
     end = tl.where(tl.load(noop) != 0, start, end)  # noop set (or found_inf): change nothing
     beta1 = tl.load(scal + S_BETA1)
@@ -357,54 +454,36 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
     inv_scale = beta1
     if HAS_SCALE:
         inv_scale = _div(tl.full((), 1.0, MATH), tl.load(gscale).to(MATH), IS64)
-    # One vector width per loop for every list: when 16-bit and 32-bit lists meet in an
-    # ALIGNED bucket, rows of 8 elements per thread (_adam_rows: one 128-bit vector of a 16-bit
-    # list, two of a 32-bit one); else one element layout for all (a 1-D block: the same
-    # 128-bit width for lists of one size, single elements when not ALIGNED). fp64 and the
-    # element-by-element (not ALIGNED) loop run half blocks: 8 elements per thread of 6 lists,
-    # each with its own 64-bit address, would not fit in the register budget.
-    # (while loops: the interpreter cannot run range() over loaded bounds, 1-element arrays.
-    # The whole blocks' bound is ``end`` itself: a second 64-bit bound, live across the calls
-    # to the IEEE division's slow path, is spilled by ptxas in some variants.)
-    HAS16: tl.constexpr = (G_DT == 1 or G_DT == 2 or P_DT == 1 or P_DT == 2 or S_DT == 1
-                           or S_DT == 2 or (EMA and (E_DT == 1 or E_DT == 2)))
-    HAS32: tl.constexpr = (G_DT == 0 or P_DT == 0 or S_DT == 0 or MASTER
-                           or (EMA and E_DT == 0))
-    ROWS: tl.constexpr = ALIGNED and HAS16 and HAS32
-    IB: tl.constexpr = BLOCK // 2 if IS64 or not ALIGNED else BLOCK
-    base = start
-    if ROWS:
-        R: tl.constexpr = BLOCK // 8
-        rows = tl.arange(0, R)[:, None] * 8
-        while base + BLOCK <= end:  # whole blocks, unmasked
-            _adam_rows(tl.multiple_of(base, 16) + rows, end, False, g_base, g_d, p_base, p_d,
-                       m_base, m_d, v_base, v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2,
-                       omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w, l2, decoupled,
-                       use_denom, maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER,
-                       HAS_SCALE, R)
-            base += BLOCK
-        if base < end:  # the tail: one masked block
-            _adam_rows(base + rows, end, True, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
-                       v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd,
-                       isb2, eps, step_size, ema_w, l2, decoupled, use_denom, maximize,
-                       inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, R)
+    # ALIGN (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE): every chunk's whole blocks in 128-bit
+    # vectors (the host has checked every offset), the choice made per chunk, or none; the rest
+    # of a chunk (and a chunk that is not aligned) element by element. Per chunk: the table's
+    # misalignment row (the state lists' offsets and the start, fixed while the bucket is bound)
+    # and the grads' offset, tested here because the grads move between steps (a re-bind
+    # rewrites only their offsets; a captured graph replays the offsets it captured: the test
+    # follows both with no table write).
+    if ALIGN == 2:
+        _adam_vec(start, end, start == start, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
+                  v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
+                  eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale, G_DT,
+                  P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, False, True, BLOCK)
     else:
-        while base + IB <= end:  # whole blocks, unmasked (128-bit accesses when ALIGNED)
-            if ALIGNED:
-                offs = tl.multiple_of(base, 16) + tl.arange(0, IB)
-            else:
-                offs = base + tl.arange(0, IB)
-            _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
-                        s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
-                        step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
-            base += IB
-        if base < end:  # the tail: one masked block
-            offs = base + tl.arange(0, IB)
-            _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d,
-                        s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
-                        eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+        base = start
+        if ALIGN == 1:
+            vec = (tl.load(table + (NL + 2) * n + pid) == 0) & ((g_d & (VG - 1)) == 0)
+            base += _adam_vec(start, end, vec, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
+                              v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd,
+                              lr_wd, isb2, eps, step_size, ema_w, l2, decoupled, use_denom,
+                              maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER,
+                              HAS_SCALE, True, False, BLOCK)
+        # the element-by-element blocks: half blocks; beside _adam_vec, a size of their own
+        # (fp64: a quarter block, as _adam_vec runs half blocks there). Two loops on blocks of
+        # one size share their ranges and constants (merged as equal values), and with them one
+        # layout: the vector one, converted through shared memory at every scalar access.
+        RB: tl.constexpr = BLOCK // 4 if IS64 and ALIGN == 1 else BLOCK // 2
+        _adam_rest(base, end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
+                   w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size,
+                   ema_w, l2, decoupled, use_denom, maximize, inv_scale, G_DT, P_DT, S_DT, E_DT,
+                   EMA, MASTER, HAS_SCALE, RB)
 
 
 @triton.jit
@@ -422,37 +501,64 @@ def _flag_if(noop, bad, V: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
 def _nonfinite_kernel(table, n_chunks, chunk, g_base, noop, NL: tl.constexpr,
-                      G_DT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """check_finite: sets ``noop`` to 1 if any grad holds an inf or NaN (before the update)."""
+                      G_DT: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """check_finite: sets ``noop`` to 1 if any grad holds an inf or NaN (before the update).
+    ALIGN as _adam_kernel's; a chunk is aligned when the grad's offset is a multiple of its
+    vector width and the chunk's start a multiple of 16 (tested here, per chunk)."""
     MATH: tl.constexpr = tl.float32 if G_DT != 3 else tl.float64
     VG: tl.constexpr = 8 if G_DT == 1 or G_DT == 2 else (2 if G_DT == 3 else 4)
+    SG: tl.constexpr = 3 if G_DT == 1 or G_DT == 2 else (1 if G_DT == 3 else 2)
     pid = tl.program_id(0).to(tl.int64)
     n = n_chunks.to(tl.int64)
     g_d = tl.load(table + pid)
     numel = tl.load(table + NL * n + pid)
     start = tl.load(table + (NL + 1) * n + pid)
-    if ALIGNED:
-        g_d = tl.multiple_of(g_d, VG)
-        start = tl.multiple_of(start, 16)
     end = tl.minimum(start + chunk.to(tl.int64), numel)
     end = tl.where(tl.load(noop) != 0, start, end)
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
     base = start
-    while base + BLOCK <= end:  # whole blocks, unmasked (128-bit loads when ALIGNED)
-        if ALIGNED:
-            offs = tl.multiple_of(base, 16) + tl.arange(0, BLOCK)
-        else:
-            offs = base + tl.arange(0, BLOCK)
-        g = _ld(g_base, g_d, offs, None, G_DT, MATH)
-        f = g - g  # NaN exactly where g is inf or NaN
-        bad = bad | (f != f).to(tl.int32)
-        base += BLOCK
-    if base < end:  # the tail: one masked block
-        offs = base + tl.arange(0, BLOCK)
-        g = _ld(g_base, g_d, offs, offs < end, G_DT, MATH)
-        f = g - g
-        bad = bad | (f != f).to(tl.int32)
-    _flag_if(noop, bad, VG if ALIGNED else 1)
+    if ALIGN != 0:
+        # whole blocks in 128-bit loads, from offsets re-derived as multiples (as _adam_vec)
+        first = (start >> 4) << 4
+        gv = (g_d >> SG) << SG
+        b = first
+        if ALIGN == 1:
+            vec = ((g_d & (VG - 1)) == 0) & ((start & 15) == 0)
+            b = tl.where(vec, first, end)  # not aligned: no whole block here
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        while b + BLOCK <= end:
+            offs = tl.multiple_of(b, 16) + tl.arange(0, BLOCK)
+            g = _ld(g_base, gv, offs, None, G_DT, MATH)
+            f = g - g  # NaN exactly where g is inf or NaN
+            bad = bad | (f != f).to(tl.int32)
+            b += BLOCK
+        if ALIGN == 2 and b < end:  # the tail: one masked block in the same layout
+            offs = b + tl.arange(0, BLOCK)
+            g = _ld(g_base, gv, offs, offs < end, G_DT, MATH)
+            f = g - g
+            bad = bad | (f != f).to(tl.int32)
+        _flag_if(noop, bad, VG)
+        if ALIGN == 1:
+            b = tl.where(vec, b, start)
+        base = b
+    if ALIGN != 2:
+        # the rest element by element: whole blocks unmasked, then one masked block; beside
+        # the vector loop, in half blocks (blocks of one size would share the accumulator's
+        # zeros and their ranges, merged as equal values, and with them the vector layout,
+        # converted through shared memory)
+        RB: tl.constexpr = BLOCK // 2 if ALIGN == 1 else BLOCK
+        bad = tl.zeros([RB], dtype=tl.int32)
+        while base + RB <= end:
+            offs = base + tl.arange(0, RB)
+            g = _ld(g_base, g_d, offs, None, G_DT, MATH)
+            f = g - g
+            bad = bad | (f != f).to(tl.int32)
+            base += RB
+        if base < end:
+            offs = base + tl.arange(0, RB)
+            g = _ld(g_base, g_d, offs, offs < end, G_DT, MATH)
+            f = g - g
+            bad = bad | (f != f).to(tl.int32)
+        _flag_if(noop, bad, 1)
 
 
 @triton.jit
