@@ -269,11 +269,10 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         """``torch.optim.Optimizer.zero_grad``, keeping flat grad buffers.
 
         Params whose ``.grad`` a backend keeps as a view of one flat buffer (the NPU backend's
-        buckets, :class:`multi_tensor.backends.flat.FlatGrads`) keep that view: the buffer is
-        zeroed, one launch per bucket. With ``set_to_none=True`` such a param then counts as
-        having no grad until backward accumulates one into it: ``step()`` skips it as torch skips
-        a ``None`` grad (its ``.grad`` reads as a zero tensor, not None). Every other param:
-        as torch.
+        buckets, :class:`multi_tensor.backends.flat.FlatGrads`): the buffer is zeroed, one launch
+        per bucket, and the grads are set to None (``set_to_none``) or to their zero views, as
+        torch leaves them; backward's grad hook gives a param its zero view back when a grad
+        arrives, so the grads accumulate into the buffer in place. Every other param: as torch.
         """
         keepers = self._grad_keepers_now()
         if not keepers:

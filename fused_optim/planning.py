@@ -191,16 +191,6 @@ class _GroupPlan:
         return True
 
 
-def _without_absent(params, grads, keepers) -> list:
-    """``grads`` with None for every param whose ``.grad`` is a flat buffer's zero view that
-    received no grad since ``zero_grad`` (:meth:`multi_tensor.backends.flat.FlatGrads.absent`):
-    such a param is skipped, as torch skips a param whose grad is None."""
-    absent = {id(p) for keeper in keepers for p in keeper.absent()}
-    if not absent:
-        return grads
-    return [None if id(p) in absent else g for p, g in zip(params, grads)]
-
-
 def _present(grads) -> tuple:
     return tuple(i for i, g in enumerate(grads) if g is not None)
 
@@ -246,9 +236,6 @@ class PlanningMixin:
         """A group's buckets for this step: options checked (the plan depends on them), planned,
         grads bound."""
         grads = [p.grad for p in group["params"]]
-        keepers = self.__dict__.get("_grad_keepers")
-        if keepers:
-            grads = _without_absent(group["params"], grads, keepers)
         options = self._ensure_checked(group) if any(g is not None for g in grads) else None
         return self._plan(group, grads, options).buckets
 

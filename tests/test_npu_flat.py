@@ -182,7 +182,7 @@ def test_cann_flat_grads_give_the_gathered_grads_bits(monkeypatch, case, mode):
 
 
 @pytest.mark.parametrize("dtype,master", [(F32, False), (BF16, True)])
-def test_params_and_grads_are_views_that_backward_and_zero_grad_keep(standin, dtype, master):
+def test_params_and_grads_are_views_that_backward_accumulates_into(standin, dtype, master):
     params, opt = fit(STANDIN, dtype=dtype, master_weights=master, steps=2)
     (bucket,) = buckets(opt)
     keeper = bucket.grad_keeper
@@ -194,9 +194,9 @@ def test_params_and_grads_are_views_that_backward_and_zero_grad_keep(standin, dt
         assert p.is_leaf and p.requires_grad and isinstance(p, torch.nn.Parameter)
     gathers, aliased = bucket.stats["grad_gathers"], bucket.stats["grad_alias"]
     opt.zero_grad()
-    assert all(p.grad is v for p, v in zip(params, keeper.views))
-    assert not keeper.buffer.any()  # a zero view, not None
-    backward(params, 5)
+    assert all(p.grad is None for p in params)  # as torch leaves them
+    assert not keeper.buffer.any()
+    backward(params, 5)  # the grad hooks give the zero views back before accumulation
     assert all(p.grad is v for p, v in zip(params, keeper.views))
     want = coefficients(params, 5, dtype)
     assert all(torch.equal(p.grad, c) for p, c in zip(params, want))
@@ -225,7 +225,7 @@ def test_a_grad_the_user_assigns_is_used_then_the_view_comes_back(standin):
             opt.step()
     assert bucket.stats["grad_gathers"] == gathers + 1
     assert_same(pa, oa, pb, ob)
-    oa.zero_grad()
+    oa.zero_grad(set_to_none=False)
     assert pa[2].grad is keeper.views[2]
     pa, oa = fit(STANDIN, opt=oa, params=pa, start=4, steps=2)
     pb, ob = fit("reference", opt=ob, params=pb, start=4, steps=2)
@@ -365,3 +365,22 @@ def test_apex_call_with_check_finite_reads_the_host_once():
             assert int(noop) == flag
             assert all(torch.equal(p, b) for p, b in zip(params, before)) == skipped
     assert all(flat.is_ours(p) is False for p in params)  # a one-shot call moves nothing
+
+
+def test_grads_written_by_hand_after_zero_grad_are_seen(standin):
+    """Code that accumulates grads itself (``p.grad = g`` where None, else ``p.grad.add_(g)``)
+    after ``zero_grad()``: the grads are None there, as in torch, so nothing written is lost."""
+    pa, oa = fit(STANDIN, steps=2)
+    pb, ob = fit("reference", steps=2)
+    for opt, params, backend in ((oa, pa, STANDIN), (ob, pb, "reference")):
+        for k in range(2):
+            opt.zero_grad()
+            for i, p in enumerate(params):
+                g = torch.full_like(p, 0.125 * (i + 1 + k))
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+            with forced_backend(backend):
+                opt.step()
+    assert_same(pa, oa, pb, ob)

@@ -377,27 +377,41 @@ def repoint_params(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]
             p.data = v
 
 
-# param -> [marks, index]: where its post-accumulate-grad hook marks "received a grad". One hook
-# per param for the life of the process; a new FlatGrads taking the param re-aims the cell.
+# param -> [FlatGrads or None, index]: the buffer view its grad hook attaches. One hook per param
+# for the life of the process; a new FlatGrads taking the param re-aims the cell.
 _grad_cells = WeakIdKeyDictionary()
 # storage key of a FlatGrads buffer -> the FlatGrads (found again by a re-built plan's bucket)
 _keepers: "weakref.WeakValueDictionary[int, FlatGrads]" = weakref.WeakValueDictionary()
 
 
-def _mark(cell: list, param: torch.Tensor) -> None:
-    marks = cell[0]
-    if marks is not None:
-        marks[cell[1]] = 1
+def _attach(cell: list, param_ref, grad: torch.Tensor) -> None:
+    """The param's grad hook, run by backward before the grad is accumulated: a param without a
+    ``.grad`` gets its (zeroed) view back, so that autograd accumulates into the flat buffer in
+    place instead of allocating a new tensor. ``zero_grad(set_to_none=True)`` leaves ``.grad``
+    None, as torch does; this puts the view back only when a grad arrives."""
+    keeper, index = cell
+    p = param_ref()
+    if keeper is None or p is None or p.grad is not None:
+        return None
+    view = keeper.views[index]
+    if not _fits(p, view):
+        cell[0] = None  # reallocated with another shape, dtype or device: let go
+        return None
+    if not keeper.zeroed[index]:  # cleared by someone else (module.zero_grad): stale values
+        view.zero_()
+    keeper.zeroed[index] = 0
+    p.grad = view
+    return None
 
 
-def _claim(p: torch.Tensor, marks: bytearray, index: int) -> list:
+def _claim(p: torch.Tensor, keeper: "FlatGrads", index: int) -> list:
     cell = _grad_cells.get(p)
     if cell is None:
-        cell = [marks, index]
-        p.register_post_accumulate_grad_hook(functools.partial(_mark, cell))
+        cell = [keeper, index]
+        p.register_hook(functools.partial(_attach, cell, weakref.ref(p)))
         _grad_cells[p] = cell
     else:
-        cell[0], cell[1] = marks, index
+        cell[0], cell[1] = keeper, index
     return cell
 
 
@@ -406,14 +420,14 @@ class FlatGrads:
     docstring).
 
     Made from the bucket's params and their current grads (one dtype, the values copied in
-    once); ``buffer`` then holds every grad backward accumulates. ``marks[i]``: param ``i``
-    received a grad since the last :meth:`zero` (set by its post-accumulate-grad hook, or by
-    :meth:`zero` with ``set_to_none=False``, after which every param has a zero grad, as torch's
-    ``zero_grad(set_to_none=False)`` leaves it). A param whose ``.grad`` is still its view but
-    is not marked has, for torch's semantics, no grad: :meth:`absent` lists them.
+    once); ``buffer`` then holds every grad backward accumulates. :meth:`zero` zeroes the buffer
+    and, with ``set_to_none=True``, sets every ``.grad`` to None as torch does; each param's grad
+    hook (:func:`_attach`) gives it its view back when backward brings it a grad, so a param
+    that receives none keeps ``None`` and is skipped by ``step()`` exactly as in torch.
+    ``zeroed[i]``: view ``i`` is known to hold zeros (zeroed and not attached since).
     """
 
-    __slots__ = ("params", "layout", "buffer", "views", "marks", "_cells", "__weakref__")
+    __slots__ = ("params", "layout", "buffer", "views", "zeroed", "_cells", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                  layout: FlatLayout):
@@ -423,10 +437,10 @@ class FlatGrads:
         self.views = layout.views(self.buffer)
         with torch.no_grad():
             copy_all(self.views, grads)
-        self.marks = bytearray(b"\x01") * len(self.params)
+        self.zeroed = bytearray(len(self.params))
         for p, v in zip(self.params, self.views):
             p.grad = v
-        self._cells = [_claim(p, self.marks, i) for i, p in enumerate(self.params)]
+        self._cells = [_claim(p, self, i) for i, p in enumerate(self.params)]
         with _owned_lock:
             _keepers[_storage_key(self.buffer)] = self
 
@@ -476,37 +490,27 @@ class FlatGrads:
 
     def owns(self) -> List[torch.Tensor]:
         """The params whose grad this buffer keeps (a later FlatGrads may have taken some)."""
-        return [p for p, cell in zip(self.params, self._cells) if cell[0] is self.marks]
-
-    def absent(self) -> List[torch.Tensor]:
-        """The params whose ``.grad`` is still their view and that received no grad since
-        :meth:`zero` (torch would hold ``None`` there)."""
-        marks = self.marks
-        if 0 not in marks:
-            return []
-        return [p for p, v, cell, m in zip(self.params, self.views, self._cells, marks)
-                if not m and cell[0] is marks and p.grad is v]
+        return [p for p, cell in zip(self.params, self._cells) if cell[0] is self]
 
     def zero(self, set_to_none: bool = True) -> List[torch.Tensor]:
-        """Zero the buffer (one launch), give every param it keeps its view back as ``.grad``,
-        and mark the params: none has a grad (``set_to_none``) or every one a zero grad.
+        """Zero the buffer (one launch); then every param it keeps has ``.grad`` None
+        (``set_to_none``: its hook attaches the zero view when backward brings a grad) or its
+        zero view, as torch's ``zero_grad`` leaves them.
 
         Returns the params kept. A param that no longer fits its view (reallocated with another
         shape, dtype or device) is let go: the caller clears its grad as torch would, and the
         next plan takes it again."""
         self.buffer.zero_()
-        marks = self.marks
         kept = []
         for p, v, cell in zip(self.params, self.views, self._cells):
-            if cell[0] is not marks:
+            if cell[0] is not self:
                 continue
-            if p.grad is not v:
-                if not _fits(p, v):
-                    cell[0] = None
-                    continue
-                p.grad = v
+            if not _fits(p, v):
+                cell[0] = None
+                continue
+            p.grad = None if set_to_none else v
             kept.append(p)
-        marks[:] = (b"\x00" if set_to_none else b"\x01") * len(marks)
+        self.zeroed[:] = b"\x01" * len(self.zeroed)
         return kept
 
 

@@ -29,11 +29,11 @@ one launch):
   reallocated later (``p.data = new``, ``model.to()``) is noticed at the next ``bind``: re-plan.
 * **Grads.** At the bucket's first step its params' grads become views of one flat grad buffer
   (:class:`~multi_tensor.backends.flat.FlatGrads`; the values copied in once) that backward
-  accumulates into in place, and the optimizer's ``zero_grad`` zeroes that buffer (one launch)
-  instead of dropping the grads. A param whose grad is still its zero view and that received no
-  grad since ``zero_grad(set_to_none=True)`` (a post-accumulate-grad hook marks the others, on
-  the host) is skipped by ``step()`` exactly as a ``None`` grad is; ``set_to_none=False`` leaves
-  every param a zero grad, which steps, as in torch. A grad assigned by the user (``p.grad = g``)
+  accumulates into in place. The optimizer's ``zero_grad`` zeroes that buffer (one launch) and,
+  with ``set_to_none=True``, sets the grads to None as torch does; each param's grad hook (run by
+  backward before accumulation) gives it its zero view back, so backward accumulates into the
+  buffer and a param that receives no grad keeps ``None`` and is skipped, exactly as in torch.
+  ``set_to_none=False`` leaves every param its zero view. A grad assigned by the user (``p.grad = g``)
   is copied into the buffer for that step (one copy of one dtype) and the next ``zero_grad`` gives
   the view back. fp16/bf16 grads of fp32 masters are converted into one fp32 buffer, one copy.
   ``MULTI_TENSOR_NPU_FLAT_GRADS=0`` leaves grads as they are (gathered per step). Grads that are

@@ -449,10 +449,9 @@ def run_scenario(name: str, params: int, *, steps: int = 3, seed: int = 0,
                  host_born: bool = True) -> Measure:
     """``steps`` steps of ``FusedEmaAdamW`` on the NPU stand-in; the last one measured.
 
-    Grads are produced as backward produces them: a new tensor where ``p.grad`` is None, else
-    accumulated in place into the existing grad, after the optimizer's ``zero_grad()`` (both
-    outside the measurement: they are the user's). So the grads stay views of a flat grad
-    buffer only if ``zero_grad`` keeps them. With GradScaler the measured region is
+    Grads are produced by autograd's backward (of ``sum(p * g)``) after the optimizer's
+    ``zero_grad()``, both outside the measurement (they are the user's), so the grads land
+    wherever backward accumulates them. With GradScaler the measured region is
     ``scaler.step(opt)`` + ``scaler.update()``, the optimizer's own step reported apart.
     """
     from fused_optim import FusedEmaAdamW  # the package imports this module never
@@ -482,12 +481,10 @@ def run_scenario(name: str, params: int, *, steps: int = 3, seed: int = 0,
         for k in range(steps):
             opt.zero_grad()
             scale = 2.0 ** 10 if scaler is not None else 1.0
-            for p in weights:
-                g = (torch.randn(p.shape, generator=gen) * 1e-2 * scale).to(dtype)
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+            grads = [(torch.randn(p.shape, generator=gen) * 1e-2 * scale).to(dtype)
+                     for p in weights]
+            with torch.enable_grad():  # backward: d/dp sum(p * g) = g, accumulated by autograd
+                torch.autograd.backward([(p * g).sum() for p, g in zip(weights, grads)])
             if scaler is not None:
                 scaler.scale(torch.ones(()))  # the user's forward: GradScaler's scale exists
             last = k == steps - 1
