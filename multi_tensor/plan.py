@@ -14,14 +14,15 @@ API (:mod:`fused_optim.functional`) and the apex ops (:mod:`multi_tensor.ops`). 
 
 The optimizers keep their prepared buckets in their plans. The entry points that receive lists
 per call (the apex ops, the compiled op, the functional API) reuse them through
-:func:`prepared`: a small cache keyed by the op, the chunk size and the identity of every state
-tensor, so a loop that calls an op on the same tensors each step prepares its bucket once (the
+:func:`prepared`: a small cache of buckets, each found by the op, the chunk size and the identity
+of every state tensor, so a loop that calls an op on the same tensors each step prepares its bucket once (the
 Triton backend's pointer tables, the NPU's flat buffers). The cache holds the tensors of its
 last :data:`CACHE_SIZE` buckets; :func:`clear_cache` lets them go.
 """
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 from typing import Hashable, Optional
 
@@ -46,16 +47,31 @@ def bucket_key(param: torch.Tensor, grad: torch.Tensor, *, master: bool, step: O
     return (param.device, param.dtype, grad.dtype, bool(master), step, layout)
 
 
+def _state_of(lists: schema.AdamLists) -> list:
+    return [tensors for name, tensors in lists.present() if name != "grads"]
+
+
 def _cached(backend, spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int,
             once: bool):
-    """``(key, the cached bucket or None)``: the key is the backend, the op, the chunk size and
-    the identity of every state tensor."""
-    key = (backend.name, spec.name, chunk_size, once, lists.has_master) + tuple(
-        tuple(map(id, tensors)) for name, tensors in lists.present() if name != "grads")
+    """``(key, the cached bucket or None)``. The key is cheap (the backend, the op, the chunk
+    size, the lists' form, the number of rows, the first and last params' ids); a hit is the entry
+    made from these very state tensors, compared by identity, at C speed (one pass, no tensor
+    compared by value). The entry holds its tensors, so no other object can take those
+    ids while it is cached."""
+    params = lists.params
+    key = (backend.name, spec.name, chunk_size, once, lists.has_master, len(params),
+           id(params[0]) if params else None, id(params[-1]) if params else None)
     with _cache_lock:
-        bucket = _cache.get(key)
-        if bucket is not None:
+        entry = _cache.get(key)
+        if entry is not None:
             _cache.move_to_end(key)
+    if entry is None:
+        return key, None
+    bucket, held = entry
+    state = _state_of(lists)
+    if len(state) != len(held) or not all(
+            len(a) == len(b) and all(map(operator.is_, a, b)) for a, b in zip(state, held)):
+        return key, None
     return key, bucket
 
 
@@ -65,6 +81,9 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
     state tensors. ``once``: the caller's tensors must stay where they are (see
     :meth:`Backend.prepare_bucket`)."""
     key, bucket = _cached(backend, spec, lists, chunk_size, once)
+    if bucket is not None and hasattr(bucket, "bind_unchanged") and bucket.bind_unchanged(
+            lists.grads):
+        return bucket  # the steady state: one pass over the addresses, nothing rebuilt
     # (a cached bucket's every state tensor must still be where it was bound: the caller's
     # lists are new each call, and bind itself checks the state only when the grads move)
     if (bucket is None or (hasattr(bucket, "state_moved") and bucket.state_moved())
@@ -74,7 +93,7 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
             raise RuntimeError(f"{backend.name}: {spec.name}: lists that passed the op check "
                                f"did not bind")
         with _cache_lock:
-            _cache[key] = bucket
+            _cache[key] = (bucket, [list(tensors) for tensors in _state_of(lists)])
             _cache.move_to_end(key)
             while len(_cache) > CACHE_SIZE:
                 _cache.popitem(last=False)

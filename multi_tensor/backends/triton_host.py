@@ -22,6 +22,9 @@ from .triton_kernels import (BLOCK, COMPILE_OPTIONS, DTYPE_CODE, F32,
                              _step_scalars_kernel, _sumsq_kernel, _total_kernel)
 
 
+_ptr = torch.Tensor.data_ptr
+
+
 def _launch(kernel, grid, device: torch.device, *args, **kwargs):
     kwargs.setdefault("num_warps", NUM_WARPS)
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
@@ -238,7 +241,9 @@ class AdamBucket:
         self._hyp = torch.zeros(rules.N_HYPER, dtype=torch.float64, device=self.device)
         # the state tensors as bound, and their addresses (bind refuses when one moved)
         self._s_objs = [t for tensors in self.state_lists for t in tensors]
-        self._s_ptrs = list(map(torch.Tensor.data_ptr, self._s_objs))
+        self._s_ptrs = list(map(_ptr, self._s_objs))
+        self._params = params
+        self._p_ptrs = self._s_ptrs[:self.n]
         # their storage as bound, kept alive: no other tensor can take these addresses, so an
         # equal address in bind is this storage (a moved tensor's old storage is not reused
         # under the kernel)
@@ -305,32 +310,40 @@ class AdamBucket:
         ``data_ptr`` per state tensor at every step would cost several times the whole bind.
         A state tensor moved in between is updated at the storage it left, which the bucket
         keeps alive (no write to freed memory), until that check sees it."""
-        objs = self._s_objs if full else self._s_objs[:self.n]
         try:
-            return list(map(torch.Tensor.data_ptr, objs)) != (
-                self._s_ptrs if full else self._s_ptrs[:self.n])
+            if full:
+                return list(map(_ptr, self._s_objs)) != self._s_ptrs
+            return list(map(_ptr, self._params)) != self._p_ptrs
         except (TypeError, RuntimeError):
             return True
+
+    def _same_grads(self, grads) -> bool:
+        """The grads last bound: the same objects (compared by identity, at C speed: no tensor
+        is compared by value) at the same addresses."""
+        objs = self._g_objs
+        if objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs)):
+            return False
+        # the same objects, so tensors: data_ptr cannot raise on them
+        return list(map(_ptr, grads)) == self._g_ptrs
 
     def bind_unchanged(self, grads) -> bool:
         """``bind`` for the grads last bound, unchanged (the same objects at the same
         addresses) with the params and every state tensor unmoved; False (nothing bound)
         otherwise. (For callers that skip the list checks on True: it checks all the state.)"""
         self._grads = None
-        objs = self._g_objs
-        if (objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs))
-                or self.state_moved()):
+        if not self._same_grads(grads) or self.state_moved():
             return False
-        try:
-            if list(map(torch.Tensor.data_ptr, grads)) != self._g_ptrs:
-                return False
-        except TypeError:
-            return False
-        self._grads = list(grads)
+        self._grads = self._g_objs
         return True
 
     def bind(self, grads) -> bool:
+        """Take this step's grads. The steady state (the grads last bound, the params where
+        they were) costs one identity pass over the grads and one ``data_ptr`` per param and
+        per grad; anything else goes through :meth:`_bind_slow`."""
         self._grads = None
+        if self._same_grads(grads) and not self.state_moved(full=False):
+            self._grads = self._g_objs
+            return True
         if len(grads) != self.n:
             return False
         if not self.n:
@@ -338,15 +351,6 @@ class AdamBucket:
             return True
         if self.state_moved(full=False):
             return False
-        objs = self._g_objs
-        if objs is not None and all(map(operator.is_, grads, objs)):
-            try:
-                ptrs = list(map(torch.Tensor.data_ptr, grads))
-            except TypeError:
-                return False
-            if ptrs == self._g_ptrs:
-                self._grads = list(grads)
-                return True
         return self._bind_slow(list(grads))
 
     def _bind_slow(self, grads) -> bool:
@@ -400,9 +404,9 @@ class AdamBucket:
         self._g_aligned = aligned
         self._g_base = base
         self._g_dtype = dtype
-        self._g_objs = list(grads)
-        self._g_ptrs = list(map(torch.Tensor.data_ptr, grads))
-        self._grads = list(grads)
+        self._g_objs = grads
+        self._g_ptrs = list(map(_ptr, grads))
+        self._grads = grads
         return True
 
     def grad_norm(self, flag: torch.Tensor) -> Optional[torch.Tensor]:
