@@ -15,11 +15,24 @@ callable cannot be an op argument);
 GradScaler's ``grad_scale`` and ``found_inf``.
 
 The step number is a tensor in a traced step, so the per-step scalars cannot be folded into the
-graph. The op reads the steps (and ``found_inf``) when it runs and computes
-:func:`multi_tensor.rules.step_scalars` and the scheduled EMA decay in double from them, exactly as
-an eager step does, then calls the backend registered for the bucket's device: the same kernel,
-the same bits. Rows whose steps differ (a param that missed steps) run as one call per step
-value. Every step of a bucket then advances by one; with ``found_inf`` set nothing changes.
+graph; they are computed when the op runs, from the steps, exactly as an eager step computes
+them, by the backend registered for the bucket's device: the same kernel, the same bits. Every
+step of a bucket then advances by one; with ``found_inf`` set nothing changes.
+
+Where the steps are read. The op remembers the step tensors it advanced together (all equal),
+with their version counters after its write (:data:`_UNIFORM`). When it is called again on those
+very tensors, unwritten since (the same versions), with an EMA decay that does not depend on the
+step (a ``"constant"`` schedule from step 1, updated every step) and a bucket that computes its
+scalars on the device (the Triton backend's ``run_device_step``), nothing is read on the host:
+the device step kernel reads the first step tensor, advances it unless ``found_inf`` (read there
+as the skip flag) is set and computes the step's scalars from it; a tensor ``lr`` on the params'
+device is read by that kernel too; the other step tensors copy the first on the device
+(``_foreach_copy_``). Otherwise the op reads on the host: the steps once per call (one
+``tolist``; rows whose steps differ run as one call per step value), ``found_inf`` and a tensor
+``lr``; a CPU tensor is read without a device sync. So on a GPU a compiled step whose step
+tensors are on the device syncs once (the first call, or after anyone writes a step tensor) and
+then not at all; step tensors on the CPU are read there (no device sync), and ``found_inf`` or a
+tensor ``lr`` on the device are then read with a sync.
 """
 from __future__ import annotations
 

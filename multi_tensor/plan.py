@@ -15,9 +15,12 @@ API (:mod:`fused_optim.functional`) and the apex ops (:mod:`multi_tensor.ops`). 
 The optimizers keep their prepared buckets in their plans. The entry points that receive lists
 per call (the apex ops, the compiled op, the functional API) reuse them through
 :func:`prepared`: a small cache of buckets, each found by the op, the chunk size and the identity
-of every state tensor, so a loop that calls an op on the same tensors each step prepares its bucket once (the
-Triton backend's pointer tables, the NPU's flat buffers). The cache holds the tensors of its
-last :data:`CACHE_SIZE` buckets; :func:`clear_cache` lets them go.
+of every state tensor, so a loop that calls an op on the same tensors each step prepares its
+bucket once (the Triton backend's pointer tables, the NPU's flat buffers). A hit costs one
+identity pass over the lists and, for the Triton buckets, one ``data_ptr`` per tensor (a tensor
+re-pointed by ``t.data = new`` keeps its identity: its bucket is then bound or prepared
+again). The cache holds the tensors of its last :data:`CACHE_SIZE` buckets; :func:`clear_cache`
+lets them go.
 """
 from __future__ import annotations
 

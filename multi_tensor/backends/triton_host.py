@@ -139,9 +139,10 @@ class _Staged:
 class AdamBucket:
     """One Adam-family op bound to a bucket's state lists (``prepare``'s result).
 
-    ``bind(grads)`` checks the grads cheaply (same objects and addresses as last time: one pass
-    over ``data_ptr``; else count, dtype, shape, device, layout) and rewrites the grads' row of
-    the pointer table only when an address changed. It also checks that the params (at every
+    ``bind(grads)`` checks the grads cheaply (the same objects as last time, compared by
+    identity at C speed, at the same addresses: one pass over ``data_ptr``, which also sees a
+    grad re-pointed in place by ``g.data = new``; else count, dtype, shape, device, layout) and
+    rewrites the grads' row of the pointer table only when an address changed. It also checks that the params (at every
     bind) and the state tensors (when the grads are bound afresh: :meth:`state_moved`) still
     have the addresses the table holds (``p.data = new``, ``state.data = new`` move them): if
     not it refuses, and the caller prepares a new bucket (the optimizers re-plan). The bucket
