@@ -103,25 +103,56 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
     return bucket
 
 
-def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True):
-    """The cached prepared bucket of ``lists`` when it was made from exactly these tensors and
-    they are unchanged (the same grad objects at the same addresses, the params and state
-    tensors at the addresses the bucket bound; the bucket keeps the storage it bound alive, so an equal
-    address is the same storage), bound to the grads; else None. The checks that made it
-    (:func:`multi_tensor.schema.check_adam_lists`) still hold then, so a caller may skip them.
-    Only buckets that can tell (``bind_unchanged``: the Triton backend's) are found here."""
+def _device_backend(spec: schema.OpSpec, lists: schema.AdamLists):
+    """The backend registered for the params' device (no pass over the tensors), or None."""
     params = lists.params
     if not params or not isinstance(params[0], torch.Tensor):  # (not checked yet)
         return None
     from .backends import registry
     try:
-        backend = registry.backend_for(spec.name, params[0].device)
+        return registry.backend_for(spec.name, params[0].device)
     except NotImplementedError:
+        return None
+
+
+def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True):
+    """The cached prepared bucket of ``lists`` when it was made from exactly these tensors and
+    they are unchanged (the same grad objects at the same addresses, the params and state
+    tensors at the addresses the bucket bound; the bucket keeps the storage it bound alive, so
+    an equal address is the same storage), bound to the grads; else None. The checks that made
+    it (:func:`multi_tensor.schema.check_adam_lists`) still hold then, so a caller may skip them.
+    Only buckets that can tell (``bind_unchanged``: the Triton backend's) are found here."""
+    backend = _device_backend(spec, lists)
+    if backend is None:
         return None
     _, bucket = _cached(backend, spec, lists, chunk_size, once)
     if bucket is None or not hasattr(bucket, "bind_unchanged"):
         return None
     return bucket if bucket.bind_unchanged(lists.grads) else None
+
+
+def bound(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True,
+          owned: bool = False):
+    """The prepared bucket of checked ``lists`` (with rows), grads bound: the cached one when
+    its tensors are unchanged (found without a pass over every tensor's storage kind), else one
+    from :func:`prepared` on the backend that runs them.
+
+    ``owned``: the state belongs to an optimizer (the compiled step's op), which replaces its
+    state tensors rather than re-pointing them: the cached bucket is then bound as an eager
+    step binds its buckets (the params' addresses at every call, the state's when the grads
+    move), not with a pass over every state tensor's address (:func:`unchanged`)."""
+    if owned:
+        backend = _device_backend(spec, lists)
+        if backend is not None:
+            _, bucket = _cached(backend, spec, lists, chunk_size, once)
+            if bucket is not None and bucket.bind(lists.grads):
+                return bucket
+    else:
+        bucket = unchanged(spec, lists, chunk_size, once)
+        if bucket is not None:
+            return bucket
+    return prepared(spec, lists, schema.backend_for_lists(spec, lists.present()), chunk_size,
+                    once)
 
 
 def clear_cache() -> None:
@@ -143,6 +174,5 @@ def run_adam(spec: schema.OpSpec, lists: schema.AdamLists, hyper: rules.AdamHype
             schema.check_adam_lists(spec, lists)
         if not lists.params:
             return
-        backend = schema.backend_for_lists(spec, lists.present())
-        bucket = prepared(spec, lists, backend, chunk_size)
+        bucket = bound(spec, lists, chunk_size)
     bucket.run(noop_flag, rules.step_scalars(hyper, step), grad_scale, bool(check_finite))

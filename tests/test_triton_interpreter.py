@@ -949,7 +949,8 @@ def _custom_op_device_steps():
     """torch.ops.fused_optim.adam_step_ on the triton buckets: after the first call (which
     reads the steps once) the steps, found_inf and a tensor lr on the params' device are read
     on the device only (no host read), with the reference's bits; found_inf set changes
-    nothing; a step written by someone else is read again (rows split by step)."""
+    nothing; a step written by someone else is read again (rows split by step); a param or a
+    grad re-pointed (``t.data = new``) is bound afresh."""
     import fused_optim.custom_ops  # noqa: F401
     from multi_tensor import plan
     _cpu_clone_backend()
@@ -962,12 +963,16 @@ def _custom_op_device_steps():
         found = torch.zeros(1)
         plan.clear_cache()
         with multi_tensor.backends.forced_backend(backend):
-            for call in range(6):
+            for call in range(7):
                 found.fill_(1.0 if call == 2 else 0.0)
                 if call == 3:
                     lr.fill_(3e-3)
                 if call == 4:
                     steps[1].fill_(7.0)
+                if call == 5:
+                    ls[1][3].data = ls[1][3].data.clone()  # a param re-pointed
+                if call == 6:
+                    ls[0][1].data = ls[0][1].data.clone()  # a grad re-pointed in place
                 quiet = backend == "triton_interp" and call in (1, 2, 3)
                 with _no_host_reads() if quiet else contextlib.nullcontext():
                     torch.ops.fused_optim.adam_step_(
@@ -976,7 +981,7 @@ def _custom_op_device_steps():
                         torch.tensor(2.0), found, 64)
         out[backend] = [float(t) for t in steps]
     plan.clear_cache()
-    assert out["triton_interp"] == out["reference"] == [5.0, 9.0, 5.0, 5.0, 5.0], out
+    assert out["triton_interp"] == out["reference"] == [6.0, 10.0, 6.0, 6.0, 6.0], out
     assert_lists_equal(lists, want, "custom op")
 
 
