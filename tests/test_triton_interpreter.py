@@ -352,6 +352,12 @@ def _bucket_rebind():
     bad[1] = torch.zeros(16, dtype=BF16)
     assert not bucket.bind(bad), "a grad of another shape bound"
     assert len(bad) == n
+    for what, odd in (("dtype", lambda g: g.to(F16)), ("layout", lambda g: g.to_sparse()),
+                      ("device", lambda g: torch.empty(g.shape, dtype=g.dtype, device="meta")),
+                      ("None", lambda g: None)):
+        bad = list(lists[0])
+        bad[3] = odd(bad[3])  # one grad in the middle
+        assert not bucket.bind(bad), f"a grad of another {what} bound"
 
 
 @case("device-step-scalars")

@@ -9,6 +9,7 @@ triton).
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -23,6 +24,9 @@ from .triton_kernels import (BLOCK, COMPILE_OPTIONS, DTYPE_CODE, F32,
 
 
 _ptr = torch.Tensor.data_ptr
+_dtype_of = operator.attrgetter("dtype")
+_layout_of_tensor = operator.attrgetter("layout")
+_device_of = operator.attrgetter("device")
 
 
 def _launch(kernel, grid, device: torch.device, *args, **kwargs):
@@ -350,23 +354,24 @@ class AdamBucket:
         if not self.n:
             self._grads = []
             return True
-        if self.state_moved(full=False):
-            return False
         return self._bind_slow(list(grads))
 
     def _bind_slow(self, grads) -> bool:
+        """Grads that are new objects (every step after ``zero_grad(set_to_none=True)``) or
+        moved: every state tensor's address (the params' included), then the grads' count,
+        dtype, layout, device and shape, each in one pass at C speed (no tensor compared by
+        value: ``None in grads`` would use ==), and the grads' row rewritten only when an
+        address changed."""
         if self.state_moved():
             return False
-        g0 = grads[0]
-        if g0 is None or not isinstance(g0, torch.Tensor):
+        if not all(map(isinstance, grads, repeat(torch.Tensor))):
             return False
-        dtype = g0.dtype
-        if dtype not in self._grad_dtypes:
-            return False
+        dtype = grads[0].dtype
         device = self.device
-        for g in grads:  # (not ``None in grads``: that compares tensors with ==)
-            if g is None or g.dtype != dtype or g.layout != torch.strided or g.device != device:
-                return False
+        if (dtype not in self._grad_dtypes or set(map(_dtype_of, grads)) != {dtype}
+                or set(map(_layout_of_tensor, grads)) != {torch.strided}
+                or set(map(_device_of, grads)) != {device}):
+            return False
         if list(map(torch.Tensor.size, grads)) != self._sizes:
             return False
         # a param reshaped in place (``p.data = p.data.view(...)``) no longer fits its state
@@ -375,7 +380,7 @@ class AdamBucket:
         stage_rows = {}
         eff = list(grads)
         contiguous = list(map(torch.Tensor.is_contiguous, grads))
-        for i, g in enumerate(grads):
+        for i, g in ([] if all(contiguous) and all(self._row_contiguous) else enumerate(grads)):
             if contiguous[i] and self._row_contiguous[i]:
                 continue  # the common case
             if g.numel() and not self._fits(g, i):
