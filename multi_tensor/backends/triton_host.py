@@ -146,11 +146,12 @@ class AdamBucket:
     ``bind(grads)`` checks the grads cheaply (the same objects as last time, compared by
     identity at C speed, at the same addresses: one pass over ``data_ptr``, which also sees a
     grad re-pointed in place by ``g.data = new``; else count, dtype, shape, device, layout) and
-    rewrites the grads' row of the pointer table only when an address changed. It also checks that the params (at every
-    bind) and the state tensors (when the grads are bound afresh: :meth:`state_moved`) still
-    have the addresses the table holds (``p.data = new``, ``state.data = new`` move them): if
-    not it refuses, and the caller prepares a new bucket (the optimizers re-plan). The bucket
-    keeps the storage it bound alive, so the kernel never writes to freed memory.
+    rewrites the grads' row of the pointer table only when an address changed. It also checks
+    that the params (at every bind) and the state tensors (when the grads are bound afresh:
+    :meth:`state_moved`) still have the addresses the table holds (``p.data = new``,
+    ``state.data = new`` move them): if not it refuses, and the caller prepares a new bucket
+    (the optimizers re-plan). The bucket keeps the storage it bound alive, so the kernel never
+    writes to freed memory.
     ``run`` launches one kernel.
 
     CUDA graphs: a launch made while the current stream is capturing marks the bucket captured
@@ -328,8 +329,7 @@ class AdamBucket:
         objs = self._g_objs
         if objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs)):
             return False
-        # the same objects, so tensors: data_ptr cannot raise on them
-        return list(map(_ptr, grads)) == self._g_ptrs
+        return list(map(_ptr, grads)) == self._g_ptrs  # (the same objects: tensors)
 
     def bind_unchanged(self, grads) -> bool:
         """``bind`` for the grads last bound, unchanged (the same objects at the same
