@@ -15,14 +15,33 @@ callable cannot be an op argument);
 GradScaler's ``grad_scale`` and ``found_inf``.
 
 The step number is a tensor in a traced step, so the per-step scalars cannot be folded into the
-graph. The op reads the steps (and ``found_inf``) when it runs and computes
-:func:`multi_tensor.rules.step_scalars` and the scheduled EMA decay in double from them, exactly as
-an eager step does, then calls the backend registered for the bucket's device: the same kernel,
-the same bits. Rows whose steps differ (a param that missed steps) run as one call per step
-value. Every step of a bucket then advances by one; with ``found_inf`` set nothing changes.
+graph; they are computed when the op runs, from the steps, exactly as an eager step computes
+them, by the backend registered for the bucket's device: the same kernel, the same bits. Every
+step of a bucket then advances by one; with ``found_inf`` set nothing changes.
+
+Where the steps are read. The op remembers the step tensors it advanced together (all equal),
+with their version counters after its write (:data:`_UNIFORM`). When it is called again on those
+very tensors, unwritten since (the same versions), with an EMA decay that does not depend on the
+step (a ``"constant"`` schedule from step 1, updated every step) and a bucket that computes its
+scalars on the device (the Triton backend's ``run_device_step``), nothing is read on the host:
+the device step kernel reads the first step tensor, advances it unless ``found_inf`` (read there
+as the skip flag) is set and computes the step's scalars from it; a tensor ``lr`` on the params'
+device is read by that kernel too; the other step tensors copy the first on the device
+(``_foreach_copy_``). Otherwise the op reads on the host: the steps once per call (one
+``tolist``; rows whose steps differ run as one call per step value), ``found_inf`` and a tensor
+``lr``; a CPU tensor is read without a device sync. So on a GPU a compiled step whose step
+tensors are on the device syncs once (the first call, or after anyone writes a step tensor) and
+then not at all; step tensors on the CPU are read there (no device sync), and ``found_inf`` or a
+tensor ``lr`` on the device are then read with a sync.
+
+The lists are the optimizer's own state, so the cached bucket is bound as an eager step binds
+its plan (:func:`multi_tensor.plan.bound` with ``owned=True``): the grads by identity and
+address, the params' addresses at every call, every state tensor's address when the grads move.
 """
 from __future__ import annotations
 
+import collections
+import operator
 from typing import List, Optional
 
 import torch
@@ -53,7 +72,7 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
                ema_min_decay: float, ema_update_every: int, grad_scale: Optional[torch.Tensor],
                found_inf: Optional[torch.Tensor], chunk_size: int) -> None:
     """One bucket's update and step advance (see the module docstring)."""
-    if not params or (found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0)):
+    if not params:
         return
     spec = schema.OPS[op]
     lists = schema.AdamLists(grads=grads, params=params, exp_avgs=exp_avgs,
@@ -61,10 +80,21 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
                              masters=masters or None)
     device = params[0].device
     scale = None if grad_scale is None else grad_scale.to(device)
+    fixed = ema_decay is None or (ema_schedule == "constant" and not ema_start_step
+                                  and ema_update_every == 1)
+    if fixed and _known_uniform(steps):
+        if _device_step(spec, lists, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay,
+                        decoupled, bias_correction, maximize, ema_decay, scale, found_inf,
+                        chunk_size):
+            return
+    # the host path: the steps (and found_inf, a tensor lr) read on the host
+    if found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0):
+        return
     lr_value = lr if lr_tensor is None else float(lr_tensor)
     counts = torch.stack(steps).tolist()  # one host read for the bucket
-    by_step = ({int(counts[0]): None} if min(counts) == max(counts)  # the usual case
-               else group_indices(int(c) for c in counts))
+    uniform = min(counts) == max(counts)  # the usual case
+    by_step = {int(counts[0]): None} if uniform else group_indices(int(c) for c in counts)
+    bucket = None
     for done, rows in by_step.items():
         t = done + 1
         decay = None if ema_decay is None else ema_schedules.ema_decay_at(
@@ -81,9 +111,83 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
             run_lists = run_lists.take(rows)
         # checked when the step was compiled (compiled.init_group); the prepared bucket is
         # reused across steps (multi_tensor.plan's cache)
+        bucket = plan.bound(run_spec, run_lists, chunk_size, owned=True)
         plan.run_adam(run_spec, run_lists, hyper, t, _noop_flag(device), scale,
-                      chunk_size=chunk_size, checked=True)
+                      chunk_size=chunk_size, checked=True, bucket=bucket)
     torch._foreach_add_(steps, 1.0)
+    if (fixed and uniform and hasattr(bucket, "run_device_step")
+            and all(s.device == device for s in steps)):
+        _remember_uniform(steps)
+
+
+# The step tensors of the buckets whose steps this op advanced together last (so known equal
+# without reading them), each with the tensors' version counters after that write: a write by
+# anyone else (fill_, copy_, a load) bumps a version, and the op reads the steps again. Keyed by
+# the first step tensor's id; the entry holds the tensors, so that id names one tensor while
+# the entry lives.
+_UNIFORM: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_UNIFORM_SIZE = plan.CACHE_SIZE
+_version = operator.attrgetter("_version")
+
+
+def _versions(steps) -> Optional[list]:
+    try:
+        return list(map(_version, steps))
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+def _remember_uniform(steps) -> None:
+    versions = _versions(steps)
+    if versions is None:
+        return
+    key = (id(steps[0]), len(steps))
+    _UNIFORM[key] = (list(steps), versions)
+    _UNIFORM.move_to_end(key)
+    while len(_UNIFORM) > _UNIFORM_SIZE:
+        _UNIFORM.popitem(last=False)
+
+
+def _known_uniform(steps) -> bool:
+    entry = _UNIFORM.get((id(steps[0]), len(steps)))
+    if entry is None:
+        return False
+    held, versions = entry
+    return all(map(operator.is_, steps, held)) and _versions(steps) == versions
+
+
+def _device_step(spec, lists, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, decoupled,
+                 bias_correction, maximize, ema_decay, scale, found_inf, chunk_size) -> bool:
+    """The step on the device, nothing read back: for steps known equal (on the params'
+    device) and a step-independent EMA decay. The bucket's device step kernel reads the first
+    step tensor, advances it unless ``found_inf`` is set and computes the step's scalars from
+    it; the other step tensors copy it on the device. A tensor lr on the device is read by the
+    kernel, one on the CPU on the host (no device sync). False (nothing done) when the bucket
+    keeps its steps on the host."""
+    device = lists.params[0].device
+    bucket = plan.bound(spec, lists, chunk_size, owned=True)
+    if not hasattr(bucket, "run_device_step"):
+        return False
+    flag = _noop_flag(device)
+    if found_inf is not None:
+        if found_inf.device == device:
+            flag = found_inf
+        elif found_inf.device.type == "cpu":
+            if bool(found_inf.reshape(-1)[0].item() != 0):  # a host value: no device sync
+                return True
+        else:
+            flag = found_inf.to(device)
+    lr_device = lr_tensor if lr_tensor is not None and lr_tensor.device == device else None
+    lr_value = lr if lr_tensor is None else (0.0 if lr_device is not None else float(lr_tensor))
+    hyper = rules.AdamHyper(lr=lr_value, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, decoupled=decoupled,
+                            bias_correction=bias_correction, maximize=maximize,
+                            ema_decay=ema_decay, rule=spec.rule)
+    bucket.run_device_step(steps[0], hyper, flag, scale, lr=lr_device)
+    if len(steps) > 1:
+        torch._foreach_copy_(steps[1:], [steps[0]] * (len(steps) - 1))
+    _remember_uniform(steps)
+    return True
 
 
 def _adam_step_fake(op, grads, params, exp_avgs, exp_avg_sqs, emas, masters, steps, lr,

@@ -66,7 +66,11 @@ def _adam_call(spec: schema.OpSpec, chunk_size, noop_flag, tensor_lists, step, g
     # the flag and the scale on the tensors' device (grad_scale may also be on the CPU); tensors
     # without real storage run on the reference, which reads both on the host
     refs = lists.params
-    device = refs[0].device if refs and validation.storageless([refs], ("",)) is None else None
+    if cached is not None:  # its tensors have real storage: the bucket bound their addresses
+        device = cached.device
+    else:
+        device = (refs[0].device if refs and validation.storageless([refs], ("",)) is None
+                  else None)
     validation.check_noop_flag(op, noop_flag, device)
     validation.check_grad_scale(op, grad_scale, device)
     number = functools.partial(validation.real, op)

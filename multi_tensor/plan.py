@@ -14,14 +14,18 @@ API (:mod:`fused_optim.functional`) and the apex ops (:mod:`multi_tensor.ops`). 
 
 The optimizers keep their prepared buckets in their plans. The entry points that receive lists
 per call (the apex ops, the compiled op, the functional API) reuse them through
-:func:`prepared`: a small cache keyed by the op, the chunk size and the identity of every state
-tensor, so a loop that calls an op on the same tensors each step prepares its bucket once (the
-Triton backend's pointer tables, the NPU's flat buffers). The cache holds the tensors of its
-last :data:`CACHE_SIZE` buckets; :func:`clear_cache` lets them go.
+:func:`prepared`: a small cache of buckets, each found by the op, the chunk size and the identity
+of every state tensor, so a loop that calls an op on the same tensors each step prepares its
+bucket once (the Triton backend's pointer tables, the NPU's flat buffers). A hit costs one
+identity pass over the lists and, for the Triton buckets, one ``data_ptr`` per tensor (a tensor
+re-pointed by ``t.data = new`` keeps its identity: its bucket is then bound or prepared
+again). The cache holds the tensors of its last :data:`CACHE_SIZE` buckets; :func:`clear_cache`
+lets them go.
 """
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 from typing import Hashable, Optional
 
@@ -46,16 +50,31 @@ def bucket_key(param: torch.Tensor, grad: torch.Tensor, *, master: bool, step: O
     return (param.device, param.dtype, grad.dtype, bool(master), step, layout)
 
 
+def _state_of(lists: schema.AdamLists) -> list:
+    return [tensors for name, tensors in lists.present() if name != "grads"]
+
+
 def _cached(backend, spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int,
             once: bool):
-    """``(key, the cached bucket or None)``: the key is the backend, the op, the chunk size and
-    the identity of every state tensor."""
-    key = (backend.name, spec.name, chunk_size, once, lists.has_master) + tuple(
-        tuple(map(id, tensors)) for name, tensors in lists.present() if name != "grads")
+    """``(key, the cached bucket or None)``. The key is cheap (the backend, the op, the chunk
+    size, the lists' form, the number of rows, the first and last params' ids); a hit is the entry
+    made from these very state tensors, compared by identity, at C speed (one pass, no tensor
+    compared by value). The entry holds its tensors, so no other object can take those
+    ids while it is cached."""
+    params = lists.params
+    key = (backend.name, spec.name, chunk_size, once, lists.has_master, len(params),
+           id(params[0]) if params else None, id(params[-1]) if params else None)
     with _cache_lock:
-        bucket = _cache.get(key)
-        if bucket is not None:
+        entry = _cache.get(key)
+        if entry is not None:
             _cache.move_to_end(key)
+    if entry is None:
+        return key, None
+    bucket, held = entry
+    state = _state_of(lists)
+    if len(state) != len(held) or not all(
+            len(a) == len(b) and all(map(operator.is_, a, b)) for a, b in zip(state, held)):
+        return key, None
     return key, bucket
 
 
@@ -65,6 +84,9 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
     state tensors. ``once``: the caller's tensors must stay where they are (see
     :meth:`Backend.prepare_bucket`)."""
     key, bucket = _cached(backend, spec, lists, chunk_size, once)
+    if bucket is not None and hasattr(bucket, "bind_unchanged") and bucket.bind_unchanged(
+            lists.grads):
+        return bucket  # the steady state: one pass over the addresses, nothing rebuilt
     # (a cached bucket's every state tensor must still be where it was bound: the caller's
     # lists are new each call, and bind itself checks the state only when the grads move)
     if (bucket is None or (hasattr(bucket, "state_moved") and bucket.state_moved())
@@ -74,32 +96,63 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
             raise RuntimeError(f"{backend.name}: {spec.name}: lists that passed the op check "
                                f"did not bind")
         with _cache_lock:
-            _cache[key] = bucket
+            _cache[key] = (bucket, [list(tensors) for tensors in _state_of(lists)])
             _cache.move_to_end(key)
             while len(_cache) > CACHE_SIZE:
                 _cache.popitem(last=False)
     return bucket
 
 
-def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True):
-    """The cached prepared bucket of ``lists`` when it was made from exactly these tensors and
-    they are unchanged (the same grad objects at the same addresses, the params and state
-    tensors at the addresses the bucket bound; the bucket keeps the storage it bound alive, so an equal
-    address is the same storage), bound to the grads; else None. The checks that made it
-    (:func:`multi_tensor.schema.check_adam_lists`) still hold then, so a caller may skip them.
-    Only buckets that can tell (``bind_unchanged``: the Triton backend's) are found here."""
+def _device_backend(spec: schema.OpSpec, lists: schema.AdamLists):
+    """The backend registered for the params' device (no pass over the tensors), or None."""
     params = lists.params
     if not params or not isinstance(params[0], torch.Tensor):  # (not checked yet)
         return None
     from .backends import registry
     try:
-        backend = registry.backend_for(spec.name, params[0].device)
+        return registry.backend_for(spec.name, params[0].device)
     except NotImplementedError:
+        return None
+
+
+def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True):
+    """The cached prepared bucket of ``lists`` when it was made from exactly these tensors and
+    they are unchanged (the same grad objects at the same addresses, the params and state
+    tensors at the addresses the bucket bound; the bucket keeps the storage it bound alive, so
+    an equal address is the same storage), bound to the grads; else None. The checks that made
+    it (:func:`multi_tensor.schema.check_adam_lists`) still hold then, so a caller may skip them.
+    Only buckets that can tell (``bind_unchanged``: the Triton backend's) are found here."""
+    backend = _device_backend(spec, lists)
+    if backend is None:
         return None
     _, bucket = _cached(backend, spec, lists, chunk_size, once)
     if bucket is None or not hasattr(bucket, "bind_unchanged"):
         return None
     return bucket if bucket.bind_unchanged(lists.grads) else None
+
+
+def bound(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True,
+          owned: bool = False):
+    """The prepared bucket of checked ``lists`` (with rows), grads bound: the cached one when
+    its tensors are unchanged (found without a pass over every tensor's storage kind), else one
+    from :func:`prepared` on the backend that runs them.
+
+    ``owned``: the state belongs to an optimizer (the compiled step's op), which replaces its
+    state tensors rather than re-pointing them: the cached bucket is then bound as an eager
+    step binds its buckets (the params' addresses at every call, the state's when the grads
+    move), not with a pass over every state tensor's address (:func:`unchanged`)."""
+    if owned:
+        backend = _device_backend(spec, lists)
+        if backend is not None:
+            _, bucket = _cached(backend, spec, lists, chunk_size, once)
+            if bucket is not None and bucket.bind(lists.grads):
+                return bucket
+    else:
+        bucket = unchanged(spec, lists, chunk_size, once)
+        if bucket is not None:
+            return bucket
+    return prepared(spec, lists, schema.backend_for_lists(spec, lists.present()), chunk_size,
+                    once)
 
 
 def clear_cache() -> None:
@@ -121,6 +174,5 @@ def run_adam(spec: schema.OpSpec, lists: schema.AdamLists, hyper: rules.AdamHype
             schema.check_adam_lists(spec, lists)
         if not lists.params:
             return
-        backend = schema.backend_for_lists(spec, lists.present())
-        bucket = prepared(spec, lists, backend, chunk_size)
+        bucket = bound(spec, lists, chunk_size)
     bucket.run(noop_flag, rules.step_scalars(hyper, step), grad_scale, bool(check_finite))

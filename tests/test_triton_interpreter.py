@@ -27,6 +27,7 @@ Skips (with the reason) when triton is not installed. Runs in about a minute on 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -423,6 +424,12 @@ def _bucket_rebind():
     bad[1] = torch.zeros(16, dtype=BF16)
     assert not bucket.bind(bad), "a grad of another shape bound"
     assert len(bad) == n
+    for what, odd in (("dtype", lambda g: g.to(F16)), ("layout", lambda g: g.to_sparse()),
+                      ("device", lambda g: torch.empty(g.shape, dtype=g.dtype, device="meta")),
+                      ("None", lambda g: None)):
+        bad = list(lists[0])
+        bad[3] = odd(bad[3])  # one grad in the middle
+        assert not bucket.bind(bad), f"a grad of another {what} bound"
 
 
 @case("device-step-scalars")
@@ -926,6 +933,134 @@ def _op_path_checks():
     finally:
         schema.check_adam_lists = orig
         plan.clear_cache()
+
+
+@case("optimizer-steady-state-bind-sees-every-change")
+def _steady_state_changes():
+    """The eager step's steady state (the same grad objects, written in place) on the triton
+    buckets: a grad re-pointed in place (``g.data = new``), a param re-pointed (``p.data =
+    new``), a grad replaced and the state replaced by ``load_state_dict`` are each seen at the
+    next step (a new grads' row, or a new plan), and every step gives the reference's bits."""
+    import fused_optim
+    _cpu_clone_backend()
+    results = []
+    for backend in ("triton_interp", "reference"):
+        with multi_tensor.backends.forced_backend(backend):
+            gen = torch.Generator().manual_seed(5)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((5,), (40,), (7,))]
+            opt = fused_optim.FusedEmaAdamW(params, lr=1e-2, ema_decay=0.9)
+            for p in params:
+                p.grad = torch.zeros(p.shape)
+            seen = []
+            for step in range(6):
+                for p in params:
+                    p.grad.copy_(torch.randn(p.shape, generator=gen))  # in place: same objects
+                if step == 2:
+                    params[1].grad.data = params[1].grad.data.clone()
+                if step == 3:
+                    params[0].data = params[0].data.clone()
+                if step == 4:
+                    params[2].grad = params[2].grad.clone()
+                if step == 5:
+                    opt.load_state_dict(opt.state_dict())
+                opt.step()
+                bucket = next(iter(opt._plans.values())).buckets[0].prepared
+                seen.append(bucket)
+            results.append((params, opt, seen))
+    (pa, oa, seen), (pb, ob, _) = results
+    assert {type(b).__name__ for b in seen} == {"AdamBucket"}, seen
+    new_plan = [a is not b for a, b in zip(seen, seen[1:])]
+    # steps 1, 2 (a grad re-pointed: the same bucket, its grads' row rewritten), 4 (a grad
+    # replaced): the same bucket; 3 (a param re-pointed), 5 (the state loaded): a new plan
+    assert new_plan == [False, False, True, False, True], new_plan
+    assert seen[2]._g_ptrs[1] == pa[1].grad.data_ptr(), "the re-pointed grad was not rebound"
+    for x, y in zip(pa, pb):
+        assert same_bits(x.detach(), y.detach()), "params differ from the reference"
+        for key in oa.state[x]:
+            assert same_bits(torch.as_tensor(oa.state[x][key]),
+                             torch.as_tensor(ob.state[y][key])), f"state {key} differs"
+
+
+@case("op-path-sees-every-change")
+def _op_path_changes():
+    """The apex op on the same list objects: a param re-pointed (``p.data = new``), a grad
+    re-pointed in place (the same object) and a state tensor replaced in its list are each
+    checked again at the next call (the steady calls are not), with the reference's bits."""
+    from multi_tensor import ops, plan
+    _cpu_clone_backend()
+    calls = []
+    orig = schema.check_adam_lists
+
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    lists = make_lists("fused_ema_adamw", "fp32", SMALL)
+    want = clone(lists)
+    noop = torch.zeros(1, dtype=torch.int32)
+    args = (1e-3, 0.99, 0.9, 0.999, 1e-8)
+    checked = []
+    schema.check_adam_lists = counting
+    try:
+        with multi_tensor.backends.forced_backend("triton_interp"):
+            plan.clear_cache()
+            for step in range(1, 7):
+                if step == 3:
+                    lists[1][3].data = lists[1][3].data.clone()  # a param re-pointed
+                if step == 4:
+                    lists[0][1].data = lists[0][1].data.clone()  # a grad re-pointed in place
+                if step == 5:
+                    lists[3][0] = lists[3][0].clone()  # an exp_avg_sq replaced
+                before = len(calls)
+                ops.multi_tensor_fused_ema_adamw(64, noop, lists, *args, step, 1, True, 0.01)
+                checked.append(len(calls) - before)
+                with multi_tensor.backends.forced_backend("reference"):
+                    ops.multi_tensor_fused_ema_adamw(64, noop, want, *args, step, 1, True, 0.01)
+                assert_lists_equal(lists, want, f"op path call {step}")
+            assert checked == [1, 0, 1, 1, 1, 0], f"the calls that checked their lists: {checked}"
+    finally:
+        schema.check_adam_lists = orig
+        plan.clear_cache()
+
+
+@case("custom-op-steps-on-the-device")
+def _custom_op_device_steps():
+    """torch.ops.fused_optim.adam_step_ on the triton buckets: after the first call (which
+    reads the steps once) the steps, found_inf and a tensor lr on the params' device are read
+    on the device only (no host read), with the reference's bits; found_inf set changes
+    nothing; a step written by someone else is read again (rows split by step); a param or a
+    grad re-pointed (``t.data = new``) is bound afresh."""
+    import fused_optim.custom_ops  # noqa: F401
+    from multi_tensor import plan
+    _cpu_clone_backend()
+    lists = make_lists("fused_ema_adamw", "fp32", SMALL)
+    want = clone(lists)
+    out = {}
+    for backend, ls in (("triton_interp", lists), ("reference", want)):
+        steps = [torch.tensor(0.0) for _ in ls[1]]
+        lr = torch.tensor(1e-2)
+        found = torch.zeros(1)
+        plan.clear_cache()
+        with multi_tensor.backends.forced_backend(backend):
+            for call in range(7):
+                found.fill_(1.0 if call == 2 else 0.0)
+                if call == 3:
+                    lr.fill_(3e-3)
+                if call == 4:
+                    steps[1].fill_(7.0)
+                if call == 5:
+                    ls[1][3].data = ls[1][3].data.clone()  # a param re-pointed
+                if call == 6:
+                    ls[0][1].data = ls[0][1].data.clone()  # a grad re-pointed in place
+                quiet = backend == "triton_interp" and call in (1, 2, 3)
+                with _no_host_reads() if quiet else contextlib.nullcontext():
+                    torch.ops.fused_optim.adam_step_(
+                        "fused_ema_adamw", *ls, [], steps, 0.0, lr, 0.9, 0.999, 1e-8, 0.05,
+                        True, True, False, 0.9, "constant", 0, 1.0, 1.0, 0.0, 1,
+                        torch.tensor(2.0), found, 64)
+        out[backend] = [float(t) for t in steps]
+    plan.clear_cache()
+    assert out["triton_interp"] == out["reference"] == [6.0, 10.0, 6.0, 6.0, 6.0], out
+    assert_lists_equal(lists, want, "custom op")
 
 
 @case("grad-norm-table-kept-while-grads-stay")

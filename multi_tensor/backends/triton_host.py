@@ -9,6 +9,7 @@ triton).
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -20,6 +21,12 @@ from .triton_kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BLOCK, COMPILE_
                              DTYPE_CODE, F32, F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
                              _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
                              _step_scalars_kernel, _sumsq_kernel, _total_kernel)
+
+
+_ptr = torch.Tensor.data_ptr
+_dtype_of = operator.attrgetter("dtype")
+_layout_of_tensor = operator.attrgetter("layout")
+_device_of = operator.attrgetter("device")
 
 
 def _launch(kernel, grid, device: torch.device, *args, **kwargs):
@@ -136,13 +143,15 @@ class _Staged:
 class AdamBucket:
     """One Adam-family op bound to a bucket's state lists (``prepare``'s result).
 
-    ``bind(grads)`` checks the grads cheaply (same objects and addresses as last time: one pass
-    over ``data_ptr``; else count, dtype, shape, device, layout) and rewrites the grads' row of
-    the pointer table only when an address changed. It also checks that the params (at every
-    bind) and the state tensors (when the grads are bound afresh: :meth:`state_moved`) still
-    have the addresses the table holds (``p.data = new``, ``state.data = new`` move them): if
-    not it refuses, and the caller prepares a new bucket (the optimizers re-plan). The bucket
-    keeps the storage it bound alive, so the kernel never writes to freed memory.
+    ``bind(grads)`` checks the grads cheaply (the same objects as last time, compared by
+    identity at C speed, at the same addresses: one pass over ``data_ptr``, which also sees a
+    grad re-pointed in place by ``g.data = new``; else count, dtype, shape, device, layout) and
+    rewrites the grads' row of the pointer table only when an address changed. It also checks
+    that the params (at every bind) and the state tensors (when the grads are bound afresh:
+    :meth:`state_moved`) still have the addresses the table holds (``p.data = new``,
+    ``state.data = new`` move them): if not it refuses, and the caller prepares a new bucket
+    (the optimizers re-plan). The bucket keeps the storage it bound alive, so the kernel never
+    writes to freed memory.
     ``run`` launches one kernel.
 
     CUDA graphs: a launch made while the current stream is capturing marks the bucket captured
@@ -248,7 +257,9 @@ class AdamBucket:
         self._hyp = torch.zeros(rules.N_HYPER, dtype=torch.float64, device=self.device)
         # the state tensors as bound, and their addresses (bind refuses when one moved)
         self._s_objs = [t for tensors in self.state_lists for t in tensors]
-        self._s_ptrs = list(map(torch.Tensor.data_ptr, self._s_objs))
+        self._s_ptrs = list(map(_ptr, self._s_objs))
+        self._params = params
+        self._p_ptrs = self._s_ptrs[:self.n]
         # their storage as bound, kept alive: no other tensor can take these addresses, so an
         # equal address in bind is this storage (a moved tensor's old storage is not reused
         # under the kernel)
@@ -337,63 +348,62 @@ class AdamBucket:
         ``data_ptr`` per state tensor at every step would cost several times the whole bind.
         A state tensor moved in between is updated at the storage it left, which the bucket
         keeps alive (no write to freed memory), until that check sees it."""
-        objs = self._s_objs if full else self._s_objs[:self.n]
         try:
-            return list(map(torch.Tensor.data_ptr, objs)) != (
-                self._s_ptrs if full else self._s_ptrs[:self.n])
+            if full:
+                return list(map(_ptr, self._s_objs)) != self._s_ptrs
+            return list(map(_ptr, self._params)) != self._p_ptrs
         except (TypeError, RuntimeError):
             return True
+
+    def _same_grads(self, grads) -> bool:
+        """The grads last bound: the same objects (compared by identity, at C speed: no tensor
+        is compared by value) at the same addresses."""
+        objs = self._g_objs
+        if objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs)):
+            return False
+        return list(map(_ptr, grads)) == self._g_ptrs  # (the same objects: tensors)
 
     def bind_unchanged(self, grads) -> bool:
         """``bind`` for the grads last bound, unchanged (the same objects at the same
         addresses) with the params and every state tensor unmoved; False (nothing bound)
         otherwise. (For callers that skip the list checks on True: it checks all the state.)"""
         self._grads = None
-        objs = self._g_objs
-        if (objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs))
-                or self.state_moved()):
+        if not self._same_grads(grads) or self.state_moved():
             return False
-        try:
-            if list(map(torch.Tensor.data_ptr, grads)) != self._g_ptrs:
-                return False
-        except TypeError:
-            return False
-        self._grads = list(grads)
+        self._grads = self._g_objs
         return True
 
     def bind(self, grads) -> bool:
+        """Take this step's grads. The steady state (the grads last bound, the params where
+        they were) costs one identity pass over the grads and one ``data_ptr`` per param and
+        per grad; anything else goes through :meth:`_bind_slow`."""
         self._grads = None
+        if self._same_grads(grads) and not self.state_moved(full=False):
+            self._grads = self._g_objs
+            return True
         if len(grads) != self.n:
             return False
         if not self.n:
             self._grads = []
             return True
-        if self.state_moved(full=False):
-            return False
-        objs = self._g_objs
-        if objs is not None and all(map(operator.is_, grads, objs)):
-            try:
-                ptrs = list(map(torch.Tensor.data_ptr, grads))
-            except TypeError:
-                return False
-            if ptrs == self._g_ptrs:
-                self._grads = list(grads)
-                return True
         return self._bind_slow(list(grads))
 
     def _bind_slow(self, grads) -> bool:
+        """Grads that are new objects (every step after ``zero_grad(set_to_none=True)``) or
+        moved: every state tensor's address (the params' included), then the grads' count,
+        dtype, layout, device and shape, each in one pass at C speed (no tensor compared by
+        value: ``None in grads`` would use ==), and the grads' row rewritten only when an
+        address changed."""
         if self.state_moved():
             return False
-        g0 = grads[0]
-        if g0 is None or not isinstance(g0, torch.Tensor):
+        if not all(map(isinstance, grads, repeat(torch.Tensor))):
             return False
-        dtype = g0.dtype
-        if dtype not in self._grad_dtypes:
-            return False
+        dtype = grads[0].dtype
         device = self.device
-        for g in grads:  # (not ``None in grads``: that compares tensors with ==)
-            if g is None or g.dtype != dtype or g.layout != torch.strided or g.device != device:
-                return False
+        if (dtype not in self._grad_dtypes or set(map(_dtype_of, grads)) != {dtype}
+                or set(map(_layout_of_tensor, grads)) != {torch.strided}
+                or set(map(_device_of, grads)) != {device}):
+            return False
         if list(map(torch.Tensor.size, grads)) != self._sizes:
             return False
         # a param reshaped in place (``p.data = p.data.view(...)``) no longer fits its state
@@ -402,7 +412,7 @@ class AdamBucket:
         stage_rows = {}
         eff = list(grads)
         contiguous = list(map(torch.Tensor.is_contiguous, grads))
-        for i, g in enumerate(grads):
+        for i, g in ([] if all(contiguous) and all(self._row_contiguous) else enumerate(grads)):
             if contiguous[i] and self._row_contiguous[i]:
                 continue  # the common case
             if g.numel() and not self._fits(g, i):
@@ -432,9 +442,9 @@ class AdamBucket:
         self._g_aligned = aligned
         self._g_base = base
         self._g_dtype = dtype
-        self._g_objs = list(grads)
-        self._g_ptrs = list(map(torch.Tensor.data_ptr, grads))
-        self._grads = list(grads)
+        self._g_objs = grads
+        self._g_ptrs = list(map(_ptr, grads))
+        self._grads = grads
         return True
 
     def grad_norm(self, flag: torch.Tensor) -> Optional[torch.Tensor]:
