@@ -866,6 +866,8 @@ def benchmark(args, device, backend, sync, rep: Report) -> None:
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="npu:0")
+    ap.add_argument("--skip-model-table", action="store_true",
+                    help="--stand-in: do not print the simulated 910B's scenario table")
     ap.add_argument("--stand-in", action="store_true",
                     help="run on CPU with the NPU backend's code and CANN's formula emulated")
     ap.add_argument("--numel", type=int, default=None, help="benchmark elements (default 100M; 200k stand-in)")
@@ -922,6 +924,13 @@ def main(argv=None) -> int:
             except Exception as exc:  # one broken part must not hide the others' results
                 rep.check(check.__name__, False, f"raised {type(exc).__name__}: {exc}",
                           traceback=traceback.format_exc())
+    if args.stand_in and not args.skip_model_table:
+        # the simulated 910B (multi_tensor/backends/npu_model.py): the six scenarios of the
+        # NPU backend's steady-state step, the table tests/test_npu_sim.py asserts
+        from multi_tensor.backends import npu_model
+
+        rep.say("simulated 910B, steady-state step (third), 20 -> 200 params:\n"
+                + npu_model.format_table(npu_model.scenario_table()))
     rep.say("result: " + ("FAIL" if rep.failed else "PASS"))
     if args.json:
         with open(args.json, "w") as f:
