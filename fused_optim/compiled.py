@@ -15,7 +15,9 @@ an eager step runs, with the step number and the per-step scalars taken from the
 the op runs, so compiled and eager steps give the same bits.
 
 Each param gets a step tensor of its own here (an eager step shares one per bucket; a mutated
-op argument must not alias another), and the eager step's cached plans are dropped at every
+op argument must not alias another), on the params' device when the bucket's backend computes
+the step's scalars there (:func:`_step_home`: then a compiled step reads nothing on the host,
+GradScaler's ``found_inf`` included), and the eager step's cached plans are dropped at every
 compiled step, so eager and compiled steps can be mixed (each switch recompiles once).
 
 Not traceable, run eagerly behind one graph break (an error under ``fullgraph=True`` that names
@@ -138,13 +140,14 @@ def init_group(opt, grads, params, exp_avgs, exp_avg_sqs, emas, masters, steps, 
             lists = opt._state_lists(bucket_params, group).with_grads(
                 [p.grad for p in bucket_params])
             schema.check_adam_lists(spec, lists)
+            home = _step_home(opt, group, spec, lists)
             start, ema_start, master_start = len(params), len(emas), len(masters)
             out = {"grads": grads, "params": params, "exp_avgs": exp_avgs,
                    "exp_avg_sqs": exp_avg_sqs, "emas": emas, "masters": masters}
             for name, tensors in lists.present():
                 out[name].extend(tensors)
             for p in bucket_params:
-                steps.append(_own_step(opt.state[p], seen_steps))
+                steps.append(_own_step(opt.state[p], seen_steps, home))
             buckets.append((spec.name, (start, len(params)), (ema_start, len(emas)),
                             (master_start, len(masters)), lr_index, hyper))
     return tuple(buckets)
@@ -185,11 +188,29 @@ def _hyper(opt, group: Dict[str, Any]) -> tuple:
             h.maximize, ema)
 
 
-def _own_step(state: Dict[str, Any], seen: set) -> torch.Tensor:
-    """``state["step"]``, copied first if another param shares it (eager buckets share one)."""
+def _step_home(opt, group: Dict[str, Any], spec: schema.OpSpec,
+               lists: schema.AdamLists) -> Optional[torch.device]:
+    """The device a bucket's step tensors belong on: the params' device when its backend
+    computes the step's scalars there (``run_device_step``, the Triton backend) and the decay
+    does not depend on the step, so the op reads neither the steps nor GradScaler's
+    ``found_inf`` on the host (as torch's fused optimizers keep ``state["step"]`` on the
+    device); else None (where they are: a step-dependent decay reads the steps on the host,
+    which costs no device sync while they are on the CPU). Prepares the bucket the op then
+    finds in :mod:`multi_tensor.plan`'s cache."""
+    if opt._step_dependent(group):
+        return None
+    backend = schema.backend_for_lists(spec, lists.present())
+    bucket = plan.prepared(spec, lists, backend, opt._chunk_size)
+    return lists.params[0].device if hasattr(bucket, "run_device_step") else None
+
+
+def _own_step(state: Dict[str, Any], seen: set,
+              home: Optional[torch.device] = None) -> torch.Tensor:
+    """``state["step"]``, copied first if another param shares it (eager buckets share one),
+    and moved to ``home`` (the same float32 count) when it is elsewhere."""
     step = state["step"]
-    if id(step) in seen:
-        step = state["step"] = step.clone()
+    if id(step) in seen or (home is not None and step.device != home):
+        step = state["step"] = step.to(home if home is not None else step.device, copy=True)
     seen.add(id(step))
     return step
 

@@ -46,7 +46,7 @@ from typing import List, Optional
 
 import torch
 
-from multi_tensor import plan, rules, schema
+from multi_tensor import plan, rules, schema, tensor_facts
 from multi_tensor.bucketing import group_indices
 
 from . import ema_schedules
@@ -127,14 +127,7 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
 # the entry lives.
 _UNIFORM: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _UNIFORM_SIZE = plan.CACHE_SIZE
-_version = operator.attrgetter("_version")
-
-
-def _versions(steps) -> Optional[list]:
-    try:
-        return list(map(_version, steps))
-    except RuntimeError:  # inference tensors keep no version counter
-        return None
+_versions = tensor_facts.versions  # (None: inference tensors keep no version counter)
 
 
 def _remember_uniform(steps) -> None:
@@ -153,7 +146,8 @@ def _known_uniform(steps) -> bool:
     if entry is None:
         return False
     held, versions = entry
-    return all(map(operator.is_, steps, held)) and _versions(steps) == versions
+    now = _versions(steps)
+    return all(map(operator.is_, steps, held)) and now is not None and now == versions
 
 
 def _device_step(spec, lists, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, decoupled,

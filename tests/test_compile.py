@@ -343,3 +343,60 @@ def test_opcheck(args):
     """torch.library.opcheck: schema (mutations declared), fake impl, autograd registration,
     and AOT dispatch with dynamic shapes."""
     torch.library.opcheck(torch.ops.fused_optim.adam_step_.default, args)
+
+
+class _DeviceStepBucket:
+    """A prepared bucket that computes the step's scalars on the device (as the Triton
+    backend's does)."""
+
+    def run_device_step(self, *args, **kwargs):
+        raise AssertionError("not run here")
+
+
+@pytest.mark.parametrize("options, device_steps", [
+    ({}, True),
+    ({"ema_schedule": "warmup"}, False),      # the decay depends on the step: read on the host
+    ({"ema_update_every": 2}, False),
+])
+def test_compiled_steps_live_where_the_backend_keeps_them(monkeypatch, options, device_steps):
+    """init_group puts a bucket's step tensors on the params' device when its backend keeps
+    steps there and the decay is step-independent, so the op never reads the steps or
+    found_inf on the host (a CPU step with CUDA params would make every GradScaler step sync);
+    elsewhere they stay where they are."""
+    from fused_optim import compiled
+    from multi_tensor import plan
+
+    params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt = FusedEmaAdamW(params, lr=1e-3, ema_decay=0.99, **options)
+    homes = []
+    own_step = compiled._own_step
+    monkeypatch.setattr(compiled, "_own_step", lambda state, seen, home=None: (
+        homes.append(home), own_step(state, seen, home))[1])
+    monkeypatch.setattr(plan, "prepared", lambda *a, **k: _DeviceStepBucket())
+    buckets = compiled.init_group(opt, *([] for _ in range(8)))
+    assert len(buckets) == 1
+    assert homes == [params[0].device if device_steps else None] * 2
+    # the native backend computes its scalars on the host: steps stay where they are
+    monkeypatch.undo()
+    opt = FusedEmaAdamW(params, lr=1e-3, ema_decay=0.99, **options)
+    steps = []
+    compiled.init_group(opt, [], [], [], [], [], [], steps, [])
+    assert all(s.device.type == "cpu" for s in steps)
+
+
+def test_own_step_moves_a_step_to_its_home_and_unshares_it():
+    from fused_optim import compiled
+
+    shared = torch.tensor(5.0)
+    a, b = {"step": shared}, {"step": shared}
+    seen = set()
+    sa = compiled._own_step(a, seen, torch.device("meta"))
+    sb = compiled._own_step(b, seen, torch.device("meta"))
+    assert sa.device.type == sb.device.type == "meta" and sa is not sb
+    assert a["step"] is sa and b["step"] is sb and sa.dtype == torch.float32
+    c, d = {"step": shared}, {"step": shared}
+    seen = set()
+    sc, sd = compiled._own_step(c, seen), compiled._own_step(d, seen)
+    assert sc is shared and sd is not shared and float(sd) == 5.0

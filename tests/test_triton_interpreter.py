@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import multi_tensor  # noqa: E402
-from multi_tensor import rules, schema  # noqa: E402
+from multi_tensor import rules, schema, tensor_facts  # noqa: E402
 from multi_tensor.backends import reference, registry  # noqa: E402
 from multi_tensor.ops import named_lists  # noqa: E402
 
@@ -973,12 +973,84 @@ def _steady_state_changes():
     # steps 1, 2 (a grad re-pointed: the same bucket, its grads' row rewritten), 4 (a grad
     # replaced): the same bucket; 3 (a param re-pointed), 5 (the state loaded): a new plan
     assert new_plan == [False, False, True, False, True], new_plan
-    assert seen[2]._g_ptrs[1] == pa[1].grad.data_ptr(), "the re-pointed grad was not rebound"
+    assert tensor_facts.as_array(seen[2]._g_addr)[1] == pa[1].grad.data_ptr(), \
+        "the re-pointed grad was not rebound"
     for x, y in zip(pa, pb):
         assert same_bits(x.detach(), y.detach()), "params differ from the reference"
         for key in oa.state[x]:
             assert same_bits(torch.as_tensor(oa.state[x][key]),
                              torch.as_tensor(ob.state[y][key])), f"state {key} differs"
+
+
+@contextlib.contextmanager
+def _python_facts():
+    """The binds' tensor facts from the pure-Python twins (a build without the extension)."""
+    native, tensor_facts._NATIVE = tensor_facts._NATIVE, None
+    try:
+        yield
+    finally:
+        tensor_facts._NATIVE = native
+
+
+@case("optimizer-steady-state-bind-python-facts")
+def _steady_state_changes_python_facts():
+    """The same changes seen with the tensor facts from Python."""
+    with _python_facts():
+        _steady_state_changes()
+
+
+def _new_grads_every_step():
+    """``zero_grad(set_to_none=True)`` before every step (torch's default): each step's grads
+    are new tensors, bound through ``_bind_slow``; one grad a transposed view (a staged copy),
+    one of the wrong dtype or shape refused before anything changes; the reference's bits."""
+    import fused_optim
+    _cpu_clone_backend()
+    results = []
+    shapes = ((5,), (40, 3), (7,))
+    for backend in ("triton_interp", "reference"):
+        with multi_tensor.backends.forced_backend(backend):
+            gen = torch.Generator().manual_seed(6)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+            opt = fused_optim.FusedEmaAdamW(params, lr=1e-2, ema_decay=0.9)
+            seen = []
+            for step in range(5):
+                opt.zero_grad(set_to_none=True)
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                if step == 2:
+                    params[1].grad = torch.randn(3, 40, generator=gen).t()
+                opt.step()
+                seen.append(next(iter(opt._plans.values())).buckets[0].prepared)
+            for bad in (torch.randn(7, dtype=torch.float64), torch.randn(8)):
+                params[2].grad.data = bad  # (torch refuses such a .grad)
+                before = [p.detach().clone() for p in params]
+                try:
+                    opt.step()
+                except (RuntimeError, ValueError, TypeError):
+                    pass
+                else:
+                    raise AssertionError(f"a grad of {bad.dtype} {tuple(bad.shape)} was taken")
+                assert all(same_bits(a, p.detach()) for a, p in zip(before, params))
+            results.append((params, opt, seen))
+    (pa, oa, seen), (pb, ob, _) = results
+    assert {type(b).__name__ for b in seen} == {"AdamBucket"}, seen
+    assert all(b is seen[0] for b in seen), "new grads made a new plan"
+    for x, y in zip(pa, pb):
+        assert same_bits(x.detach(), y.detach()), "params differ from the reference"
+        for key in oa.state[x]:
+            assert same_bits(torch.as_tensor(oa.state[x][key]),
+                             torch.as_tensor(ob.state[y][key])), f"state {key} differs"
+
+
+@case("optimizer-new-grads-every-step")
+def _new_grads_native():
+    _new_grads_every_step()
+
+
+@case("optimizer-new-grads-every-step-python-facts")
+def _new_grads_python():
+    with _python_facts():
+        _new_grads_every_step()
 
 
 @case("op-path-sees-every-change")

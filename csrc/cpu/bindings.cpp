@@ -9,6 +9,7 @@
 namespace multi_tensor_cpu {
 inline namespace CPU_CAPABILITY {
 void bind_scale_l2norm(py::module_& m);
+void bind_tensor_facts(py::module_& m);
 }
 }  // namespace multi_tensor_cpu
 
@@ -35,4 +36,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "One update of the bound grads with a multi_tensor.rules.StepScalars.")
       .def_property_readonly("chunk_size", &AdamBucket::chunk_size);
   multi_tensor_cpu::bind_scale_l2norm(m);
+  multi_tensor_cpu::bind_tensor_facts(m);
 }

@@ -2,4 +2,5 @@
 // headers dominates compile time, so one TU instead of three cuts the build roughly in half.
 #include "adam_kernel.cpp"
 #include "scale_l2norm.cpp"
+#include "tensor_facts.cpp"
 #include "bindings.cpp"

@@ -9,13 +9,12 @@ triton).
 from __future__ import annotations
 
 import operator
-from itertools import repeat
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .. import rules
+from .. import rules, tensor_facts
 from . import registry
 from .triton_kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BLOCK, COMPILE_OPTIONS,
                              DTYPE_CODE, F32, F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
@@ -24,9 +23,6 @@ from .triton_kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BLOCK, COMPILE_
 
 
 _ptr = torch.Tensor.data_ptr
-_dtype_of = operator.attrgetter("dtype")
-_layout_of_tensor = operator.attrgetter("layout")
-_device_of = operator.attrgetter("device")
 
 
 def _launch(kernel, grid, device: torch.device, *args, **kwargs):
@@ -192,11 +188,10 @@ class AdamBucket:
         self.e_dt = DTYPE_CODE[emas[0].dtype] if emas else self.s_dt
         self.math = torch.float64 if self.p_dt == F64 else torch.float32
         self._grad_dtypes = registry.grad_dtypes(params[0].dtype if params else None)
-        self._sizes = [p.size() for p in params]
         self._spare: List[torch.Tensor] = []
         self._grads = None
         self._g_objs = None
-        self._g_ptrs = None
+        self._g_addr = None
         self._g_dtype = None
         self._g_base = None
         self._g_col = None
@@ -257,9 +252,11 @@ class AdamBucket:
         self._hyp = torch.zeros(rules.N_HYPER, dtype=torch.float64, device=self.device)
         # the state tensors as bound, and their addresses (bind refuses when one moved)
         self._s_objs = [t for tensors in self.state_lists for t in tensors]
-        self._s_ptrs = list(map(_ptr, self._s_objs))
+        self._s_addr = tensor_facts.addresses(self._s_objs)
         self._params = params
-        self._p_ptrs = self._s_ptrs[:self.n]
+        self._p_addr = tensor_facts.addresses(params)
+        self._shapes = tensor_facts.describe(params).shapes if params else b""
+        self._all_rows_contiguous = all(self._row_contiguous)
         # their storage as bound, kept alive: no other tensor can take these addresses, so an
         # equal address in bind is this storage (a moved tensor's old storage is not reused
         # under the kernel)
@@ -271,17 +268,23 @@ class AdamBucket:
         self._home = (torch.cuda.current_stream(self.device)
                       if self.device.type == "cuda" else None)
 
-    def _column(self, tensors) -> Tuple[Optional[torch.Tensor], np.ndarray, int]:
+    def _column(self, tensors, ptrs: Optional[np.ndarray] = None
+                ) -> Tuple[Optional[torch.Tensor], np.ndarray, int]:
         """A list's base pointer, its row of the table (per chunk) and its alignment: ALIGN_ALL
         (every address 16-byte aligned), ALIGN_CHUNK (some; the base is one of them, so an
-        offset that is a multiple of the vector width is an aligned address) or ALIGN_NONE."""
-        live = [t for t, on in zip(tensors, self._live) if on]
-        if not live:
+        offset that is a multiple of the vector width is an aligned address) or ALIGN_NONE.
+        ``ptrs``: the tensors' addresses, when the caller has them."""
+        if ptrs is None:
+            ptrs = np.asarray(list(map(_ptr, tensors)), dtype=np.int64)
+        live = self._live
+        if not live.any():
             return None, np.zeros(self.n_chunks, dtype=np.int64), ALIGN_ALL
-        base = next((t for t in live if t.data_ptr() % 16 == 0), live[0])
-        ptrs = np.asarray([t.data_ptr() if on else base.data_ptr()
-                           for t, on in zip(tensors, self._live)], dtype=np.int64)
-        col = _deltas(ptrs, base.data_ptr(), base.element_size())[self._rows]
+        # the first live tensor at an aligned address is the base, else the first live one
+        aligned = np.flatnonzero(live & (ptrs % 16 == 0))
+        b = int(aligned[0]) if len(aligned) else int(np.flatnonzero(live)[0])
+        base = tensors[b]
+        ptrs = np.where(live, ptrs, ptrs[b])
+        col = _deltas(ptrs, int(ptrs[b]), base.element_size())[self._rows]
         ok = ptrs % 16 == 0
         mode = ALIGN_ALL if ok.all() else ALIGN_CHUNK if ok.any() else ALIGN_NONE
         return _base_view(base), col, mode
@@ -348,12 +351,11 @@ class AdamBucket:
         ``data_ptr`` per state tensor at every step would cost several times the whole bind.
         A state tensor moved in between is updated at the storage it left, which the bucket
         keeps alive (no write to freed memory), until that check sees it."""
-        try:
-            if full:
-                return list(map(_ptr, self._s_objs)) != self._s_ptrs
-            return list(map(_ptr, self._params)) != self._p_ptrs
-        except (TypeError, RuntimeError):
-            return True
+        if full:
+            now = tensor_facts.addresses(self._s_objs)
+            return now is None or now != self._s_addr
+        now = tensor_facts.addresses(self._params)
+        return now is None or now != self._p_addr
 
     def _same_grads(self, grads) -> bool:
         """The grads last bound: the same objects (compared by identity, at C speed: no tensor
@@ -361,7 +363,7 @@ class AdamBucket:
         objs = self._g_objs
         if objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs)):
             return False
-        return list(map(_ptr, grads)) == self._g_ptrs  # (the same objects: tensors)
+        return tensor_facts.addresses(grads) == self._g_addr  # (the same objects: tensors)
 
     def bind_unchanged(self, grads) -> bool:
         """``bind`` for the grads last bound, unchanged (the same objects at the same
@@ -391,40 +393,41 @@ class AdamBucket:
     def _bind_slow(self, grads) -> bool:
         """Grads that are new objects (every step after ``zero_grad(set_to_none=True)``) or
         moved: every state tensor's address (the params' included), then the grads' count,
-        dtype, layout, device and shape, each in one pass at C speed (no tensor compared by
-        value: ``None in grads`` would use ==), and the grads' row rewritten only when an
-        address changed."""
+        dtype, layout, device and shape, and the params' shapes, each list in one native pass
+        (:mod:`multi_tensor.tensor_facts`: no tensor compared by value), and the grads' row
+        rewritten only when an address changed."""
         if self.state_moved():
             return False
-        if not all(map(isinstance, grads, repeat(torch.Tensor))):
+        facts = tensor_facts.describe(grads)  # (None: not all strided tensors with addresses)
+        if (facts is None or facts.dtype not in self._grad_dtypes or facts.device != self.device
+                or facts.shapes != self._shapes):
             return False
-        dtype = grads[0].dtype
+        dtype = facts.dtype
         device = self.device
-        if (dtype not in self._grad_dtypes or set(map(_dtype_of, grads)) != {dtype}
-                or set(map(_layout_of_tensor, grads)) != {torch.strided}
-                or set(map(_device_of, grads)) != {device}):
-            return False
-        if list(map(torch.Tensor.size, grads)) != self._sizes:
-            return False
         # a param reshaped in place (``p.data = p.data.view(...)``) no longer fits its state
-        if list(map(torch.Tensor.size, self.state_lists[0])) != self._sizes:
+        params = tensor_facts.describe(self._params)
+        if params is None or params.shapes != self._shapes:
             return False
+        ptrs = tensor_facts.as_array(facts.addresses)
         stage_rows = {}
         eff = list(grads)
-        contiguous = list(map(torch.Tensor.is_contiguous, grads))
-        for i, g in ([] if all(contiguous) and all(self._row_contiguous) else enumerate(grads)):
-            if contiguous[i] and self._row_contiguous[i]:
-                continue  # the common case
-            if g.numel() and not self._fits(g, i):
-                st = self._g_stage_rows.get(i)
-                if st is None or st.copy.dtype != dtype:
-                    st = _Staged(g, self._strides[i], written=False)
-                st.orig = g
-                stage_rows[i] = st
-                eff[i] = st.copy
+        contiguous = facts.contiguous
+        if 0 in contiguous or not self._all_rows_contiguous:
+            ptrs = ptrs.copy()
+            for i, g in enumerate(grads):
+                if contiguous[i] and self._row_contiguous[i]:
+                    continue  # the common case
+                if g.numel() and not self._fits(g, i):
+                    st = self._g_stage_rows.get(i)
+                    if st is None or st.copy.dtype != dtype:
+                        st = _Staged(g, self._strides[i], written=False)
+                    st.orig = g
+                    stage_rows[i] = st
+                    eff[i] = st.copy
+                    ptrs[i] = st.copy.data_ptr()
         self._g_stage_rows = stage_rows
         self._g_staged = list(stage_rows.values())
-        base, col, aligned = self._column(eff)
+        base, col, aligned = self._column(eff, ptrs)
         # the norm table holds the grads' offsets from their first one, as the grads' row does
         if self._norm is not None and (self._g_col is None or dtype != self._g_dtype
                                        or not np.array_equal(col, self._g_col)):
@@ -443,7 +446,7 @@ class AdamBucket:
         self._g_base = base
         self._g_dtype = dtype
         self._g_objs = grads
-        self._g_ptrs = list(map(_ptr, grads))
+        self._g_addr = facts.addresses
         self._grads = grads
         return True
 

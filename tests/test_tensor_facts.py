@@ -1,0 +1,78 @@
+"""multi_tensor.tensor_facts: the native pass over a list of tensors against its Python twin.
+
+The device backends' binds trust these facts to decide that a list is unchanged (the same
+addresses, shapes, dtype, device); a native answer that differs from Python's would bind stale
+tables, so every case is compared field by field, including the lists that must give None.
+"""
+import pytest
+import torch
+
+from multi_tensor import tensor_facts
+from multi_tensor.backends import native_cpu
+
+native = pytest.mark.skipif(tensor_facts._NATIVE is None,
+                            reason=f"the native extension did not load: {native_cpu.load_error}")
+
+
+def _cases():
+    base = torch.randn(6, 4)
+    with torch.inference_mode():
+        inference = torch.randn(3)
+    return {
+        "one dtype": [torch.randn(3), torch.randn(2, 5), torch.randn(())],
+        "mixed dtypes": [torch.randn(3), torch.randn(3).to(torch.bfloat16)],
+        "views and strides": [base[1], base[:, 1], base.t(), base[::2], base.view(-1)],
+        "channels_last": [torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)],
+        "empty tensors": [torch.empty(0), torch.empty(3, 0)],
+        "params": [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(1, 2))],
+        "meta": [torch.empty(3, device="meta"), torch.empty(2, device="meta")],
+        "cpu and meta": [torch.randn(3), torch.empty(3, device="meta")],
+        "inference": [inference],
+        "empty list": [],
+        "a non-tensor": [torch.randn(2), 3.0],
+        "None": [torch.randn(2), None],
+        "sparse": [torch.randn(3).to_sparse()],
+    }
+
+
+CASES = _cases()
+
+
+@native
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("container", [list, tuple])
+def test_native_matches_python(name, container):
+    tensors = container(CASES[name])
+    assert tensor_facts.addresses(tensors) == tensor_facts.py_addresses(tensors)
+    assert tensor_facts.describe(tensors) == tensor_facts.py_describe(tensors)
+    assert tensor_facts.versions(tensors) == tensor_facts.py_versions(tensors)
+
+
+def test_facts_say_what_a_bind_needs():
+    a, b = torch.randn(4, 2), torch.randn(3)
+    facts = tensor_facts.describe([a, b])
+    assert list(tensor_facts.as_array(facts.addresses)) == [a.data_ptr(), b.data_ptr()]
+    assert list(tensor_facts.as_array(facts.shapes)) == [2, 4, 2, 1, 3]
+    assert (facts.dtype, facts.device, facts.contiguous) == (torch.float32, a.device, b"\1\1")
+    # equal bytes iff the same addresses: a tensor re-pointed in place changes them
+    before = tensor_facts.addresses([a, b])
+    b.data = b.data.clone()
+    assert tensor_facts.addresses([a, b]) != before
+    # a write in place bumps the version counter
+    versions = tensor_facts.versions([a, b])
+    a.add_(1)
+    assert tensor_facts.versions([a, b]) != versions
+    # what a bind must refuse gives None, never a partial answer
+    for bad in ([a, None], [a, a.to_sparse()], [a, "x"]):
+        assert tensor_facts.describe(bad) is None and tensor_facts.addresses(bad) is None
+    with torch.inference_mode():
+        assert tensor_facts.versions([torch.randn(2)]) is None
+
+
+@native
+def test_non_sequences_are_refused_with_a_clear_error():
+    with pytest.raises(TypeError, match="list of tensors"):
+        tensor_facts._NATIVE.describe(torch.randn(3))
+    # the Python wrappers take any iterable (as the Python twins do)
+    a = torch.randn(2)
+    assert tensor_facts.addresses(iter([a])) == tensor_facts.py_addresses([a])
