@@ -76,36 +76,50 @@ def py_versions(tensors: Sequence) -> Optional[bytes]:
         return None
 
 
-def _native():
-    from .backends import native_cpu
-    mod = native_cpu.loaded_module
-    return mod if mod is not None and hasattr(mod, "versions") else None
+def pack_shapes(shapes: Sequence) -> bytes:
+    """Shapes packed as :attr:`Facts.shapes` packs a list's (to compare with it)."""
+    return np.asarray([v for s in shapes for v in (len(s), *s)], dtype=np.int64).tobytes()
 
 
-_NATIVE = _native()
+_UNSET = object()
+_NATIVE = _UNSET  # the extension module, None (the Python twins), or not looked up yet
+
+
+def _mod():
+    """The extension module with these functions, or None. Looked up at the first call: the
+    backends' modules import this one while the native backend itself is being loaded."""
+    global _NATIVE
+    if _NATIVE is _UNSET:
+        from .backends import native_cpu
+        mod = native_cpu.loaded_module
+        _NATIVE = mod if mod is not None and hasattr(mod, "versions") else None
+    return _NATIVE
 
 
 def addresses(tensors: Sequence) -> Optional[bytes]:
     """Each tensor's ``data_ptr`` as native int64 bytes, or None when an item has none."""
-    if _NATIVE is None:
+    mod = _mod()
+    if mod is None:
         return py_addresses(tensors)
-    return _NATIVE.addresses(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
+    return mod.addresses(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
 
 
 def describe(tensors: Sequence) -> Optional[Facts]:
     """The :class:`Facts` of a list of strided tensors with addresses, or None."""
-    if _NATIVE is None:
+    mod = _mod()
+    if mod is None:
         return py_describe(tensors)
-    out = _NATIVE.describe(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
+    out = mod.describe(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
     return None if out is None else Facts(*out)
 
 
 def versions(tensors: Sequence) -> Optional[bytes]:
     """Each tensor's version counter as native int64 bytes (a write in place bumps it), or None
     when an item is not a tensor or keeps no counter (an inference tensor)."""
-    if _NATIVE is None:
+    mod = _mod()
+    if mod is None:
         return py_versions(tensors)
-    return _NATIVE.versions(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
+    return mod.versions(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
 
 
 def as_array(packed: bytes) -> np.ndarray:

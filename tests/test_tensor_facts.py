@@ -10,7 +10,7 @@ import torch
 from multi_tensor import tensor_facts
 from multi_tensor.backends import native_cpu
 
-native = pytest.mark.skipif(tensor_facts._NATIVE is None,
+native = pytest.mark.skipif(tensor_facts._mod() is None,
                             reason=f"the native extension did not load: {native_cpu.load_error}")
 
 
@@ -72,7 +72,15 @@ def test_facts_say_what_a_bind_needs():
 @native
 def test_non_sequences_are_refused_with_a_clear_error():
     with pytest.raises(TypeError, match="list of tensors"):
-        tensor_facts._NATIVE.describe(torch.randn(3))
+        tensor_facts._mod().describe(torch.randn(3))
     # the Python wrappers take any iterable (as the Python twins do)
     a = torch.randn(2)
     assert tensor_facts.addresses(iter([a])) == tensor_facts.py_addresses([a])
+
+
+def test_packed_shapes_compare_with_described_ones():
+    tensors = [torch.randn(2, 3), torch.randn(()), torch.randn(0, 4)]
+    packed = tensor_facts.pack_shapes([t.shape for t in tensors])
+    assert packed == tensor_facts.describe(tensors).shapes == tensor_facts.py_describe(
+        tensors).shapes
+    assert tensor_facts.pack_shapes([]) == tensor_facts.describe([]).shapes == b""

@@ -103,7 +103,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import schema
+from .. import schema, tensor_facts
 from ..rules import StepScalars
 from . import flat, fp32_exact, npu_ops, reference
 from . import registry
@@ -237,6 +237,7 @@ class FlatAdamBucket:
         self.math_dtype = reference.math_dtype(self.work_dtype)
         self._grad_dtypes = registry.grad_dtypes(self.param_dtype)
         self.shapes = [p.shape for p in params]
+        self._grads_check = registry.GradsCheck(self.shapes, self.device, self._grad_dtypes)
         # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)
         emas = lists.emas or []
         self.ema_dtype = emas[0].dtype if emas else self.work_dtype
@@ -259,7 +260,8 @@ class FlatAdamBucket:
             flat.repoint_params(params, self.layout.views(region))
             self.param_region = region
             self.stats["param_copies"] += 1
-        self._param_ptrs = ([p.data_ptr() for p in params] if self.param_region is not None
+        # (one native pass at every bind: a param reallocated leaves the flat buffer)
+        self._param_addr = (tensor_facts.addresses(params) if self.param_region is not None
                             else None)
         moments = [flat.FlatList.adopt(getattr(lists, name), self.layout, dt, self.device,
                                        repoint_ok=repoint)
@@ -292,9 +294,9 @@ class FlatAdamBucket:
     def bind(self, grads) -> bool:
         """Whether ``grads`` fit the bucket (count, one allowed dtype, shapes, device, dense)."""
         self._grads = None
-        if not registry.grads_fit(grads, self.shapes, self.device, self._grad_dtypes):
+        if not self._grads_check.fits(grads):
             return False
-        if self._param_ptrs is not None and [p.data_ptr() for p in self.params] != self._param_ptrs:
+        if self._param_addr is not None and tensor_facts.addresses(self.params) != self._param_addr:
             return False  # a param was reallocated: it no longer lives in the flat buffer
         self._grads = list(grads)
         return True

@@ -40,6 +40,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from .. import tensor_facts
+
 ANY_DEVICE = "*"
 
 
@@ -158,22 +160,49 @@ def grad_dtypes(param_dtype: Optional[torch.dtype]) -> tuple:
     return (torch.float16, torch.bfloat16, torch.float32)
 
 
-def grads_fit(grads, shapes, device, allowed) -> bool:
+class GradsCheck:
     """The per-step grad check of the Python buckets: one grad per row, one dtype from
-    ``allowed``, each of its row's shape, dense, on ``device``. False means "plan again": the
-    optimizer's full check then names what is wrong."""
-    if len(grads) != len(shapes):
-        return False
-    if not grads:
-        return True
-    dtype = grads[0].dtype if grads[0] is not None else None
-    if dtype not in allowed:
-        return False
-    for g, shape in zip(grads, shapes):
-        if (g is None or g.dtype != dtype or g.shape != shape or g.device != device
-                or g.layout != torch.strided):
+    ``allowed``, each of its row's shape, strided, on ``device``. False means "plan again":
+    the optimizer's full check then names what is wrong.
+
+    One native pass over the grads (:func:`multi_tensor.tensor_facts.describe`) compared with
+    the shapes packed once; grads without addresses (DTensor, fake tensors: the reference runs
+    them) are checked one by one."""
+
+    __slots__ = ("shapes", "device", "allowed", "_packed")
+
+    def __init__(self, shapes, device, allowed):
+        self.shapes = list(shapes)
+        self.device = device
+        self.allowed = allowed
+        self._packed = tensor_facts.pack_shapes(self.shapes)
+
+    def fits(self, grads) -> bool:
+        if len(grads) != len(self.shapes):
             return False
-    return True
+        if not grads:
+            return True
+        facts = tensor_facts.describe(grads)
+        if facts is not None:
+            return (facts.dtype in self.allowed and facts.device == self.device
+                    and facts.shapes == self._packed)
+        dtype = grads[0].dtype if grads[0] is not None else None
+        if dtype not in self.allowed:
+            return False
+        for g, shape in zip(grads, self.shapes):
+            if (g is None or g.dtype != dtype or g.shape != shape or g.device != self.device
+                    or g.layout != torch.strided):
+                return False
+        return True
+
+    def same_shapes(self, tensors) -> bool:
+        """Whether ``tensors`` (a state list) still have the rows' shapes (``p.data = x`` may
+        reshape a param in place)."""
+        facts = tensor_facts.describe(tensors)
+        if facts is not None:
+            return facts.shapes == self._packed
+        return len(tensors) == len(self.shapes) and all(
+            t.shape == shape for t, shape in zip(tensors, self.shapes))
 
 
 class PreparedOp:
@@ -189,18 +218,16 @@ class PreparedOp:
         self.lists = lists.state()
         self.chunk_size = chunk_size
         params = lists.params
-        self._shapes = [p.shape for p in params]
-        self._device = params[0].device if params else None
-        self._grad_dtypes = grad_dtypes(params[0].dtype if params else None)
+        self._check = GradsCheck([p.shape for p in params], params[0].device if params else None,
+                                 grad_dtypes(params[0].dtype if params else None))
         self._grads = None
 
     def bind(self, grads) -> bool:
         self._grads = None
-        if not grads_fit(grads, self._shapes, self._device, self._grad_dtypes):
+        if not self._check.fits(grads):
             return False
-        for _, tensors in self.lists.present():
-            if any(t.shape != shape for t, shape in zip(tensors, self._shapes)):
-                return False
+        if not all(self._check.same_shapes(tensors) for _, tensors in self.lists.present()):
+            return False
         self._grads = list(grads)
         return True
 
