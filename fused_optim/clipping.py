@@ -58,11 +58,11 @@ class ClippingMixin:
         GradScaler's, with the clip factor folded in when clipping (``scale / clip`` in double,
         rounded once to fp32); a non-finite grad norm skips the step.
 
-        When every bucket keeps its steps on the device and a group is capturable, the skip
-        stays on the device too: the returned skip flag is ``skip_flag`` (GradScaler's
-        ``found_inf``, or None) or'ed with "the norm is not finite", the kernels read it, and
-        nothing is read back to the host (so the clipped step can be captured). Otherwise the
-        norm's finiteness is read on the host (one sync per step)."""
+        When every bucket keeps its steps on the device (the Triton buckets), the skip stays on
+        the device too, as GradScaler's ``found_inf`` does: the returned skip flag is
+        ``skip_flag`` (``found_inf``, or None) or'ed with "the norm is not finite", the kernels
+        read it, and nothing is read back to the host (no sync, and the clipped step can be
+        captured). Otherwise the norm's finiteness is read on the host (one sync per step)."""
         grad_scale = getattr(self, "grad_scale", None)
         if self.max_grad_norm is None or not work:
             return False, grad_scale, skip_flag
@@ -73,9 +73,7 @@ class ClippingMixin:
         if scale is not None:
             norm = div(norm, scale)
         self.last_grad_norm = norm
-        on_device = (all(b.device_steps for _, b in work)
-                     and any(g.get("capturable") for g, _ in work))
-        if on_device:
+        if all(b.device_steps for _, b in work):
             bad = torch.isfinite(norm).logical_not()
             if skip_flag is not None:
                 bad = bad.logical_or(skip_flag.to(device=norm.device) != 0)

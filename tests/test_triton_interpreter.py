@@ -812,15 +812,58 @@ def _optimizer_big_step():
     assert counts == [2**24 - 1 + 5, 2**24 - 1 + 6], counts  # params[0] missed a step
 
 
+class _HostSteps:
+    """A triton bucket that keeps its steps on the host (no ``run_device_step``): the clipped
+    step then reads the norm's finiteness on the host."""
+
+    def __init__(self, bucket):
+        self._bucket = bucket
+
+    def __getattr__(self, name):
+        if name == "run_device_step":
+            raise AttributeError(name)
+        return getattr(self._bucket, name)
+
+
+def _host_steps_backend():
+    from multi_tensor.backends import triton_gpu
+    return registry.register_backend(registry.Backend(
+        name="triton_interp_host_steps", device_types=("cpu",), priority=999,
+        ops={"scale": triton_gpu.scale, "l2norm": triton_gpu.l2norm},
+        prepare=lambda *a, **k: _HostSteps(triton_gpu.prepare(*a, **k)),
+        adam_ops=schema.ADAM_OPS,
+        description="the triton backend on CPU tensors, steps on the host (interpreter)"))
+
+
 def _clip_case(cls_name: str):
-    """max_grad_norm with capturable=True on the triton buckets: the skip decided on the device
-    (no host read in a steady-state step), the same bits as the host-read path of the same
-    buckets (capturable=False), a step with a non-finite grad skipped by both."""
-    import fused_optim
+    """max_grad_norm on the triton buckets, with and without capturable=True: the skip decided
+    on the device (no host read in a steady-state step), the same bits as the host-read path of
+    the same kernels (buckets that keep their steps on the host), a step with a non-finite grad
+    skipped by all."""
     _cpu_clone_backend()
+    _host_steps_backend()
+    try:
+        results = _clip_runs(cls_name)
+    finally:
+        registry.unregister_backend("triton_interp_host_steps")
+    (pb, ob, nb) = results[-1]  # the host-read path
+    for pa, oa, na in results[:-1]:
+        for x, y in zip(pa, pb):
+            assert same_bits(x.detach(), y.detach()), f"{cls_name}: params differ"
+            for key in oa.state[x]:
+                assert same_bits(torch.as_tensor(oa.state[x][key]).to(F32),
+                                 torch.as_tensor(ob.state[y][key]).to(F32)), f"{cls_name}: {key}"
+            assert float(oa.state[x]["step"]) == 3.0, "a skipped step advanced the step"
+        for a, b in zip(na[:2], nb[:2]):
+            assert same_bits(a, b)
+
+
+def _clip_runs(cls_name: str) -> list:
+    import fused_optim
     results = []
-    for capturable in (True, False):
-        with multi_tensor.backends.forced_backend("triton_interp"):
+    for backend, capturable in (("triton_interp", True), ("triton_interp", False),
+                                ("triton_interp_host_steps", False)):
+        with multi_tensor.backends.forced_backend(backend):
             gen = torch.Generator().manual_seed(9)
             params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(BF16))
                       for s in ((5, 7), (13,), (1,), (5000,))]
@@ -830,7 +873,7 @@ def _clip_case(cls_name: str):
             if cls_name == "FusedEmaAdamW":
                 kw.update(ema_decay=0.9)
             opt = getattr(fused_optim, cls_name)(params, **kw)
-            if capturable:
+            if backend == "triton_interp":
                 # the clip (norm, factor, skip) with no host read; CPU tensor options are read
                 # on the host by design (a device lr would not be), so only the clip is guarded
                 unscale = opt._unscale_factor
@@ -850,16 +893,11 @@ def _clip_case(cls_name: str):
                 opt.found_inf = torch.tensor(1.0) if step == 4 else None
                 opt.step()
                 norms.append(torch.as_tensor(opt.last_grad_norm).clone())
+            kinds = {type(b.prepared).__name__ for plan in opt._plans.values()
+                     for b in plan.buckets}
+            assert kinds == {"AdamBucket" if backend == "triton_interp" else "_HostSteps"}, kinds
             results.append((params, opt, norms))
-    (pa, oa, na), (pb, ob, nb) = results
-    for x, y in zip(pa, pb):
-        assert same_bits(x.detach(), y.detach()), f"{cls_name}: params differ"
-        for key in oa.state[x]:
-            assert same_bits(torch.as_tensor(oa.state[x][key]).to(F32),
-                             torch.as_tensor(ob.state[y][key]).to(F32)), f"{cls_name}: {key}"
-        assert float(oa.state[x]["step"]) == 3.0, "a skipped step advanced the step"
-    for a, b in zip(na[:2], nb[:2]):
-        assert same_bits(a, b)
+    return results
 
 
 class _no_host_reads:
@@ -885,7 +923,7 @@ class _no_host_reads:
 
 
 for _cls in ("FusedEmaAdamW", "FusedAdamW"):
-    case(f"optimizer-{_cls}-capturable-clipping-on-device")(lambda c=_cls: _clip_case(c))
+    case(f"optimizer-{_cls}-clipping-on-device")(lambda c=_cls: _clip_case(c))
 
 
 @case("op-path-checks-once-per-bucket")

@@ -15,9 +15,9 @@ every call. Rows (the best of 5 medians of ``--iters`` calls, in ms):
 * ``eager moved grads``: the same with new grad tensors at every step (what every step after
   ``zero_grad(set_to_none=True)``, torch's default, binds: the ``_bind_slow`` path, the grads'
   row of the table rewritten), of which the harness's own ``p.grad = g`` assignments;
-* ``clipped``: ``step()`` with ``max_grad_norm`` (the norm from the bucket's kept table, one host
-  read of its finiteness);
-* ``clipped capturable``: the same with ``capturable=True`` (the skip decided on the device);
+* ``clipped``: ``step()`` with ``max_grad_norm`` (the norm from the bucket's kept table; the
+  skip for a non-finite norm decided on the device, as for ``found_inf``);
+* ``clipped capturable``: the same with ``capturable=True`` (and a tensor lr);
 * ``op path``: ``multi_tensor.ops.multi_tensor_fused_ema_adamw`` on the same lists each call (the
   prepared bucket from :mod:`multi_tensor.plan`'s cache, the list checks skipped while its
   tensors are unchanged: :func:`multi_tensor.plan.unchanged`), and for comparison the list
