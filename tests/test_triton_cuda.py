@@ -127,9 +127,13 @@ def _model(dtype=torch.float32):
                                torch.nn.Linear(256, 64)).to(CUDA, dtype)
 
 
-def test_cuda_optimizer_step_is_sync_free_under_grad_scaler():
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_cuda_optimizer_step_is_sync_free_under_grad_scaler(max_grad_norm):
+    """GradScaler's found_inf and, when clipping, the norm's finiteness decide the skip on the
+    device: no host sync in any step, an overflow step included."""
     model = _model()
-    opt = fused_optim.FusedEmaAdamW(model.parameters(), lr=1e-3, ema_decay=0.99)
+    opt = fused_optim.FusedEmaAdamW(model.parameters(), lr=1e-3, ema_decay=0.99,
+                                    max_grad_norm=max_grad_norm)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
     x = torch.randn(32, 64, device=CUDA)
     buckets = None
