@@ -8,12 +8,13 @@ the ranks holding the shards (an all-reduce per sharded bucket).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from multi_tensor import validation
-from multi_tensor.backends import registry
+from multi_tensor.backends import reference, registry
 
 
 def _sum_over_shards(square: torch.Tensor, layout) -> torch.Tensor:
@@ -62,10 +63,15 @@ class ClippingMixin:
         the device too, as GradScaler's ``found_inf`` does: the returned skip flag is
         ``skip_flag`` (``found_inf``, or None) or'ed with "the norm is not finite", the kernels
         read it, and nothing is read back to the host (no sync, and the clipped step can be
-        captured). Otherwise the norm's finiteness is read on the host (one sync per step)."""
+        captured). Otherwise the norm's finiteness is read on the host (one sync per step);
+        where a device has no fp64 the norm itself is read and the factor computed there
+        (:meth:`_clip_on_host`)."""
         grad_scale = getattr(self, "grad_scale", None)
         if self.max_grad_norm is None or not work:
             return False, grad_scale, skip_flag
+        on_device = all(b.device_steps for _, b in work)
+        if not on_device and not all(self._norm_backend(b).fp64 for _, b in work):
+            return self._clip_on_host(work, grad_scale, skip_flag)
         norm = self._grad_norm(work)  # fp64, or fp32 where a device has no fp64
         div = _div_for(norm.dtype)
         scale = (None if grad_scale is None
@@ -73,7 +79,7 @@ class ClippingMixin:
         if scale is not None:
             norm = div(norm, scale)
         self.last_grad_norm = norm
-        if all(b.device_steps for _, b in work):
+        if on_device:
             bad = torch.isfinite(norm).logical_not()
             if skip_flag is not None:
                 bad = bad.logical_or(skip_flag.to(device=norm.device) != 0)
@@ -86,6 +92,71 @@ class ClippingMixin:
             return False, ((1.0 if scale is None else scale) / clip).to(torch.float32), skip_flag
         clip = div(torch.full_like(norm, self.max_grad_norm), norm + 1e-6).clamp(max=1.0)
         return False, div(torch.ones_like(norm) if scale is None else scale, clip), skip_flag
+
+    def _norm_backend(self, bucket):
+        return registry.backend_for(
+            "l2norm", bucket.device,
+            tensor_subclasses=validation.storageless([bucket.grads], ("grads",)) is not None)
+
+    def _bucket_square_or_norm(self, bucket, quick: bool) -> tuple:
+        """``(fp32 device value, quick)``: the bucket's grad norm (``quick``: the one-read
+        :func:`~multi_tensor.backends.npu_ops.quick_norm` of its flat grads, where the bucket
+        offers it; never for a sharded bucket, whose ranks must all make the same collective
+        calls), or for a sharded bucket the squared norm summed over its ranks."""
+        total = None
+        if quick and bucket.layout is None:  # sharded: every rank must make the same calls
+            own = getattr(bucket.active, "quick_grad_norm", None)
+            total = None if own is None else own()
+        quick = total is not None
+        if total is None:
+            # a flag of its own: l2norm sets it on a non-finite grad, and the step's noop flag
+            # must stay clear
+            flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
+            total, _ = self._norm_backend(bucket).ops["l2norm"](self._chunk_size, flag,
+                                                                [bucket.grads], False)
+        total = total.to(dtype=torch.float32).reshape(())
+        if bucket.layout is not None:
+            total = _sum_over_shards(total.square(), bucket.layout)
+        return total, quick
+
+    def _clip_on_host(self, work, grad_scale, skip_flag) -> tuple:
+        """:meth:`_unscale_factor` where a device has no fp64 (the NPU) and the step is decided
+        on the host: each bucket's fp32 norm (one read of its flat grads where it offers
+        ``quick_grad_norm``) and GradScaler's scale read on the host together, one device sync
+        per step; the global norm and the clip factor are then host arithmetic, no device op.
+
+        A quick norm that is not trusted (inf: a square overflowed or a grad is inf; below
+        ``npu_ops.QUICK_MIN``: squares may have underflowed) is recomputed by the range-safe
+        ``l2norm`` and read again: a second sync, on such steps only. A NaN skips at once.
+
+        The clip factor is the fp32 one of :meth:`_unscale_factor` bit for bit: every operation
+        there (``norm / scale``, ``norm + 1e-6``, ``max_grad_norm / that``, ``scale / clip``) is
+        one correctly rounded fp32 operation on fp32 values, which the host computes in double
+        and rounds once to fp32, the same value (a double has more than 2 * 24 + 2 bits, so the
+        double rounding is innocuous for + and /). The global norm of several buckets is the
+        fp32 rounding of the square root of the exact sum of their squares (``math.fsum``;
+        the square of an fp32 is exact in double), independent of the bucket order."""
+        device = work[0][1].device
+        entries = [(bucket,) + self._bucket_square_or_norm(bucket, True) for _, bucket in work]
+        values = [value.to(device=device) for _, value, _ in entries]
+        if grad_scale is not None:
+            values.append(grad_scale.reshape(()).to(device=device, dtype=torch.float32))
+        read = ([float(values[0].item())] if len(values) == 1
+                else torch.stack(values).tolist())  # the step's one host read
+        terms = []
+        for (bucket, _, quick), value in zip(entries, read):
+            sharded = bucket.layout is not None
+            if quick and not math.isnan(value) and not _trusted(value, sharded):
+                value = float(self._bucket_square_or_norm(bucket, False)[0].item())
+            terms.append(value if sharded else value * value)  # both exact in double
+        norm = _f32(math.sqrt(math.fsum(terms))) if all(map(math.isfinite, terms)) else (
+            math.nan if any(map(math.isnan, terms)) else math.inf)
+        norm, factor = host_clip_factor(norm, None if grad_scale is None else read[-1],
+                                        self.max_grad_norm)
+        self.last_grad_norm = torch.tensor(norm, dtype=torch.float32)
+        if factor is None:
+            return True, None, skip_flag
+        return False, torch.tensor(factor, dtype=torch.float32), skip_flag
 
     def _grad_norm(self, work) -> torch.Tensor:
         """The global L2 norm of the bound grads (as they are, scaled or not), in fp64: one
@@ -118,6 +189,39 @@ class ClippingMixin:
                 square = _sum_over_shards(square, layout)
             squares.append(square.to(device=work[0][1].device))
         return torch.stack(squares).sum().sqrt()
+
+
+def host_clip_factor(norm: float, scale: Optional[float], max_grad_norm: float) -> tuple:
+    """``(unscaled norm, grad scale)`` on the host from the fp32 grad norm and GradScaler's
+    fp32 scale (or None): the fp32 formula of :meth:`ClippingMixin._unscale_factor`, each
+    operation correctly rounded to fp32; the grad scale is None where the norm is not finite
+    (the step is skipped)."""
+    if scale is not None:
+        norm = _f32_div(norm, scale)
+    if not math.isfinite(norm):
+        return norm, None
+    clip = min(_f32_div(_f32(max_grad_norm), _f32(norm + _f32(1e-6))), 1.0)
+    return norm, _f32_div(1.0 if scale is None else scale, clip)
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded once to fp32 (nearest even; beyond the fp32 range: inf)."""
+    return reference.rounded(value, torch.float32)
+
+
+def _f32_div(a: float, b: float) -> float:
+    """The correctly rounded fp32 quotient of fp32 values, with IEEE's special values."""
+    if b == 0.0:
+        return math.nan if a == 0.0 or math.isnan(a) else math.copysign(math.inf, a) * (
+            math.copysign(1.0, b))
+    return _f32(a / b)
+
+
+def _trusted(value: float, squared: bool) -> bool:
+    """Whether a quick norm (or its square summed over shards) is used as it is."""
+    from multi_tensor.backends import npu_ops
+    low = npu_ops.QUICK_MIN ** 2 if squared else npu_ops.QUICK_MIN
+    return math.isfinite(value) and value >= low
 
 
 def _div_for(dtype: torch.dtype):

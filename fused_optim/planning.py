@@ -132,7 +132,11 @@ class _Bucket:
             lr: Optional[torch.Tensor] = None) -> None:
         """One update; ``skip_flag``: a device flag (found_inf) that cancels it on the device;
         ``lr``: a device tensor the kernel reads in place of ``hyper.lr`` (capturable)."""
-        scale = None if grad_scale is None else grad_scale.to(self.device)
+        if grad_scale is None or (grad_scale.device.type == "cpu"
+                                  and getattr(self.active, "host_grad_scale", False)):
+            scale = grad_scale  # a backend that takes a host scale as a kernel scalar
+        else:
+            scale = grad_scale.to(self.device)
         if self.device_steps:
             flag = noop_flag if skip_flag is None else skip_flag.to(self.device)
             self.active.run_device_step(self.device_step, hyper, flag, scale, lr=lr)

@@ -13,6 +13,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_optim import FusedAdamW, FusedEmaAdamW
@@ -51,13 +52,42 @@ READ_SITES = OTHER_READS | {"_unscale_factor", "_overflow"}
 FREE = ("view", "alias", "slice", "expand", "detach", "as_strided", "scalar_tensor")
 
 
+class _ToList(TorchFunctionMode):
+    """``Tensor.tolist()`` reads without an aten op a dispatch mode sees."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "tolist":
+            self.record._read()
+        return func(*args, **(kwargs or {}))
+
+
 class Record(TorchDispatchMode):
     """fp64 tensors made by device ops (host scalars from reference.rounded excepted) and host
-    reads (``_local_scalar_dense``)."""
+    reads (``_local_scalar_dense``, ``tolist``)."""
 
     def __init__(self):
         super().__init__()
         self.fp64, self.reads, self.ops, self.read_sites = [], 0, 0, []
+        self._tolist = _ToList(self)
+
+    def __enter__(self):
+        self._tolist.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._tolist.__exit__(*exc)
+
+    def _read(self):
+        names = [f.name for f in traceback.extract_stack()]
+        self.reads += 1
+        self.read_sites.append(next((n for n in reversed(names) if n in READ_SITES), "elsewhere"))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -259,12 +289,18 @@ class Spy:
 @pytest.mark.parametrize("cls", [FusedEmaAdamW, FusedAdamW])
 @pytest.mark.parametrize("clip,scaler", [(0.5, False), (0.5, True), (None, True), (1e6, True)])
 def test_clipped_and_scaled_steps_on_the_standin(cls, clip, scaler):
-    with npu_standin.standin_backend(mode="torch") as backend:
+    quick = Spy(npu_ops.quick_norm)
+    with npu_standin.standin_backend(mode="torch") as backend, \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr(npu_ops, "quick_norm", quick)
         spy = backend.ops["l2norm"] = Spy(backend.ops["l2norm"])
         ours, our_norms, records = _train(cls, STANDIN, clip=clip, scaler=scaler)
     ref, ref_norms, _ = _train(cls, "reference", clip=clip, scaler=scaler)
     steps = len(records)
-    assert spy.calls == (steps if clip is not None else 0)
+    # the range-safe l2norm at the first step (before the flat grad buffer exists), then the
+    # one-read quick norm of that buffer
+    assert spy.calls == (1 if clip is not None else 0)
+    assert quick.calls == (steps - 1 if clip is not None else 0)
     for rec in records:
         assert rec.fp64 == [], rec.fp64
         sites = [site for site in rec.read_sites if site not in OTHER_READS]
@@ -272,7 +308,8 @@ def test_clipped_and_scaled_steps_on_the_standin(cls, clip, scaler):
         assert sites == (["_unscale_factor"] if clip is not None else []), rec.read_sites
     assert all(n.dtype == F32 for n in our_norms)
     for a, b in zip(our_norms, ref_norms):
-        assert abs(float(a) - float(b)) <= bound(400) * float(b) + 1e-7 * float(b)
+        limit = max(bound(400), npu_ops.quick_bound(400))
+        assert abs(float(a) - float(b)) <= limit * float(b) + 1e-7 * float(b)
     if clip is None or clip == 1e6:
         # no clip (or a clip factor of 1: the same kernel multiplier), the same math: bitwise
         for a, b in zip(ours, ref):
@@ -280,3 +317,158 @@ def test_clipped_and_scaled_steps_on_the_standin(cls, clip, scaler):
     else:
         for a, b in zip(ours, ref):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+
+
+# --- the clipped step's quick norm and host clip factor ----------------------------------------
+
+QUICK_CASES = {  # numel, magnitude, trusted
+    "one": (1, 1.0, True), "a block": (1024, 1.0, True), "a block and one": (1025, 1.0, True),
+    "ragged": (50_001, 1.0, True), "a million": (1_000_000, 1.0, True),
+    "grad-sized": (20_000, 1e-3, True), "large but safe": (20_000, 1e15, True),
+    "squares overflow": (20_000, 1e25, False), "squares underflow": (20_000, 1e-45, False),
+    "subnormals": (5000, 1e-40, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QUICK_CASES))
+def test_quick_norm_within_its_bound_or_not_trusted(case):
+    n, mag, trusted = QUICK_CASES[case]
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g, dtype=F64) * mag).to(F32)
+    want = oracle([x])
+    with Record() as rec:
+        got = float(npu_ops.quick_norm(x))
+    assert rec.fp64 == [] and rec.reads == 1  # the float() above, nothing inside
+    ok = math.isfinite(got) and got >= npu_ops.QUICK_MIN
+    assert ok == trusted, (got, want)
+    if ok:
+        assert abs(got - want) <= npu_ops.quick_bound(n) * want, (got, want)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_quick_norm_of_nonfinite_grads(bad):
+    x = torch.ones(5000)
+    x[4321] = bad
+    got = float(npu_ops.quick_norm(x))
+    assert (math.isnan(got) if math.isnan(bad) else got == math.inf)
+
+
+def test_quick_norm_launches_are_fixed():
+    counts = set()
+    for n in (0, 1000, 1024, 5000, 100_000, 2 ** 20 - 1):  # below 2^20: one level
+        with Record() as rec:
+            npu_ops.quick_norm(torch.ones(n))
+        counts.add(rec.ops)
+    assert len(counts) == 1
+
+
+def test_quick_bound_formula():
+    assert npu_ops.quick_bound(2 ** 20 - 1) < 7.7e-5
+    assert npu_ops.quick_bound(2 ** 20) > npu_ops.quick_bound(2 ** 20 - 1)
+
+
+NORMS = (0.0, 2.0 ** -149, 1e-30, 3e-7, 0.4999, 0.5, 0.50000006, 1.0, 7.25, 1e3, 123456.79, 3e30,
+         3.4e38)
+SCALES = (None, 1.0, 2.0 ** -3, 2.0 ** 16, 1000.0, 3.0, 2.0 ** -120)
+MAXES = (0.5, 1.0, 1e-3, 3.0, 1e30)
+
+
+def _device_formula(norm, scale, max_grad_norm):
+    """The fp32 device formula of ClippingMixin._unscale_factor (fp32_exact's division)."""
+    from multi_tensor.backends import fp32_exact
+    div = fp32_exact.scalar_div
+    n = torch.tensor(norm, dtype=F32)
+    s = None if scale is None else torch.tensor(scale, dtype=F32)
+    if s is not None:
+        n = div(n, s)
+    if not torch.isfinite(n):
+        return float(n), None
+    clip = div(torch.full_like(n, max_grad_norm), n + 1e-6).clamp(max=1.0)
+    return float(n), float(div(torch.ones_like(n) if s is None else s, clip))
+
+
+def test_host_clip_factor_is_bitwise_the_fp32_formula():
+    from fused_optim.clipping import host_clip_factor
+    for norm in NORMS:
+        norm = float(torch.tensor(norm, dtype=F32))
+        for scale in SCALES:
+            for mx in MAXES:
+                got = host_clip_factor(norm, scale, mx)
+                want = _device_formula(norm, scale, mx)
+                assert got[0] == want[0] or (math.isnan(got[0]) and math.isnan(want[0]))
+                assert got[1] == want[1], (norm, scale, mx, got, want)
+    assert host_clip_factor(math.inf, None, 1.0)[1] is None
+    assert host_clip_factor(math.nan, 2.0, 1.0)[1] is None
+    assert host_clip_factor(3e38, 2.0 ** -120, 1.0)[1] is None  # the unscaled norm overflows
+
+
+def _clip_run(grads_of, mode="cann", steps=3):
+    """Clipped FusedEmaAdamW steps on the stand-in, grads from ``grads_of(step)``; the
+    optimizer's norms and the read sites of every step."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in ((300,), (7, 50), (1200,))]
+    opt = FusedEmaAdamW(params, lr=1e-2, max_grad_norm=0.5)
+    norms, sites, weights = [], [], []
+    with npu_standin.standin_backend(mode=mode):
+        for k in range(steps):
+            opt.zero_grad()
+            with torch.enable_grad():
+                torch.autograd.backward([(p * g).sum() for p, g in zip(params, grads_of(k))])
+            with forced_backend(STANDIN), Record() as rec:
+                opt.step()
+            norms.append(opt.last_grad_norm)
+            sites.append([s for s in rec.read_sites if s not in OTHER_READS])
+            if mode == "torch":  # (the stand-in's cann operator is the fp64 reference)
+                assert rec.fp64 == [], rec.fp64
+            weights.append([p.detach().clone() for p in params])
+    return norms, sites, weights
+
+
+def _grads(mag, bad=None):
+    def of(k):
+        g = torch.Generator().manual_seed(k)
+        out = [torch.randn(s, generator=g, dtype=F64).mul(mag).to(F32)
+               for s in ((300,), (7, 50), (1200,))]
+        if bad is not None and k == 2:
+            out[2][17] = bad
+        return out
+    return of
+
+
+@pytest.mark.parametrize("mode", ["cann", "torch"])
+@pytest.mark.parametrize("mag", [1e-2, 1e25, 1e-45])
+def test_clipped_steps_recompute_an_untrusted_quick_norm(mode, mag):
+    # grads whose squares overflow or underflow in fp32: the quick norm is not trusted, the
+    # range-safe l2norm gives the norm (a second read on those steps), and the step is taken
+    norms, sites, weights = _clip_run(_grads(mag), mode)
+    for k, (norm, read) in enumerate(zip(norms, sites)):
+        want = oracle(_grads(mag)(k))
+        assert norm.device.type == "cpu" and norm.dtype == F32
+        assert abs(float(norm) - want) <= bound(1650) * want + 2.0 ** -140, (k, float(norm), want)
+        # step 1 has no flat grad buffer yet: the range-safe norm at once
+        expected = 1 if k == 0 or mag == 1e-2 else 2
+        assert read == ["_unscale_factor"] * expected, (k, read)
+    assert not all(torch.equal(a, b) for a, b in zip(weights[0], weights[-1]))  # steps ran
+
+
+@pytest.mark.parametrize("bad,reads", [(float("nan"), 1), (float("inf"), 2)])
+def test_clipped_step_with_a_nonfinite_grad_is_skipped(bad, reads):
+    norms, sites, weights = _clip_run(_grads(1e-2, bad))
+    assert not math.isfinite(float(norms[2]))
+    assert sites[2] == ["_unscale_factor"] * reads  # NaN: at once; inf: confirmed range-safe
+    assert all(torch.equal(a, b) for a, b in zip(weights[1], weights[2]))  # skipped
+
+
+def test_a_host_grad_scale_is_a_kernel_scalar(monkeypatch):
+    # on an NPU the clip factor stays on the host (a CPU tensor) and is read there: the same
+    # bits as the device reciprocal the stand-in computes
+    runs = []
+    for host in (False, True):
+        if host:
+            from multi_tensor.backends import npu
+            monkeypatch.setattr(npu.FlatAdamBucket, "_host_scale",
+                                lambda self, s: None if s is None else float(s.reshape(())))
+        _, _, weights = _clip_run(_grads(1.0))
+        runs.append(weights[-1])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -217,6 +217,11 @@ class FlatAdamBucket:
     """``run`` takes ``noop_flag=None`` (nothing can cancel the step): the optimizer, whose flag
     is never set, passes None, so that its steps read nothing on the host."""
 
+    host_grad_scale = True
+    """``run`` takes a ``grad_scale`` on the CPU as it is: a clip factor worked out on the host
+    (fused_optim/clipping.py) then reaches the device as a kernel scalar, not as a copy (a
+    host-to-device copy from pageable memory waits for the device)."""
+
     @torch.no_grad()
     def __init__(self, op: str, lists, chunk_size: int, device_op: DeviceOp, *,
                  repoint: bool = True):
@@ -342,7 +347,38 @@ class FlatAdamBucket:
         self.stats["torch" if path == "torch" else "cann"] += 1
         self.last_path, self.last_reason = path, reason
 
+    def quick_grad_norm(self) -> Optional[torch.Tensor]:
+        """The bound grads' fp32 norm in one read of their flat buffer
+        (:func:`~multi_tensor.backends.npu_ops.quick_norm`: trusted only when finite and at least
+        ``npu_ops.QUICK_MIN``; the caller reads it and recomputes with ``l2norm`` otherwise).
+        None when the grads are not (yet) one buffer: the first step, before the grad buffer
+        exists, and grads assigned by hand. The padding between views of our grad buffer is
+        zero (allocated zeroed; backward, ``zero_grad`` and the grad hooks write only views),
+        so the buffer's norm is the grads' norm."""
+        grads = self._grads
+        if grads is None:
+            raise RuntimeError("FlatAdamBucket.quick_grad_norm() without a successful bind()")
+        if not grads or self.layout.total == 0:
+            return None
+        keeper = self.grad_keeper
+        if keeper is not None and keeper.serves(grads):
+            buf = keeper.buffer
+        elif self.layout.gap_free:
+            buf = flat.alias(grads, self.layout, grads[0].dtype, self.device, writable=False)
+        else:
+            return None
+        if buf is None or buf.dtype == torch.float64:
+            return None
+        return npu_ops.quick_norm(buf)
+
     # --- pieces -------------------------------------------------------------------------------
+    def _host_scale(self, grad_scale) -> Optional[float]:
+        """``grad_scale``'s value when it lives on the host and the bucket does not (a clip
+        factor from fused_optim/clipping.py), else None: reading it is no device sync."""
+        if grad_scale is None or grad_scale.device.type != "cpu" or self.device.type == "cpu":
+            return None
+        return float(grad_scale.reshape(()).item())
+
     def _grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.work_dtype if flat.converts_exactly(dtype, self.work_dtype) else dtype
 
@@ -447,16 +483,22 @@ class FlatAdamBucket:
                   literal: bool) -> bool:
         fn, _ = self.device_op.get(self.device)
         g = g_flat
-        if (grad_scale is not None or check_finite) and not owned:
+        if check_finite and not owned:
             buf, _ = self._grad_buffer(g_flat.dtype)  # never unscale the caller's grads in place
             buf.copy_(g_flat)
             g = buf
         if grad_scale is not None or check_finite:
             dt = self.math_dtype
-            one = torch.ones((), dtype=dt, device=self.device)
-            inv = (one / grad_scale.reshape(()).to(device=self.device, dtype=dt)
-                   if grad_scale is not None else one)
+            host = self._host_scale(grad_scale)
+            if host is not None:  # fp32(1) / scale on the host: IEEE, as the reference's
+                inv = reference.rounded(1.0 / host, dt) if host != 0.0 else float("inf")
+            else:
+                one = torch.ones((), dtype=dt, device=self.device)
+                inv = (one / grad_scale.reshape(()).to(device=self.device, dtype=dt)
+                       if grad_scale is not None else one)
             if check_finite:  # one launch: check and unscale; the one host read of the step
+                if not isinstance(inv, torch.Tensor):
+                    inv = torch.full((), inv, dtype=dt, device=self.device)
                 found = torch.zeros(1, dtype=torch.float32, device=self.device)
                 if noop_flag is not None and noop_flag.numel():  # the apex flag, read with it
                     found.copy_(noop_flag.reshape(-1)[:1])
@@ -465,8 +507,12 @@ class FlatAdamBucket:
                     if noop_flag is not None:
                         noop_flag.fill_(1)
                     return False
-            else:
+            elif owned:
                 g.mul_(inv)
+            else:  # never unscale the caller's grads in place: the product into our buffer
+                buf, _ = self._grad_buffer(g_flat.dtype)
+                torch.mul(g_flat, inv, out=buf)
+                g = buf
         if self._step_one is None:
             self._step_one = torch.ones(1, dtype=torch.int64, device=self.device)
         args = fold_scalars(c)

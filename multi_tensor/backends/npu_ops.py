@@ -40,6 +40,25 @@ pairwise, so measured errors are orders of magnitude smaller).
 
 ``per_tensor=True`` adds each tensor's norm by the same blocked sum over that tensor (a loop over
 the tensors: launches grow with their number, unlike the total).
+
+``quick_norm``: the norm in one read of ``x``, for a caller that reads the result on the host
+anyway (the clipped step, whose non-finite norm skips the step) and can recompute with
+``norm_flat`` when it is not trusted. The device's fp32 vector norm of each ``BLOCK``-element
+block (``linalg_vector_norm`` over the ``(n // BLOCK, BLOCK)`` view, the tail as one more block:
+no temporary the size of ``x``), then ``sqrt`` of the blocked sum of the squared block norms.
+Unscaled, so a square or a sum may overflow (the result is then inf) or squares may underflow
+(the result is then small): the result is trusted when it is finite and at least
+:data:`QUICK_MIN`. A NaN result means a NaN in ``x`` (squares, sums and square roots of values
+that are not NaN are never NaN). Bound of a trusted result, with ``L`` levels of the blocked sum
+over the ``n // BLOCK + 1`` block norms (the tail's, maybe of no element, always one of them):
+each block's sum of squares within ``gamma_BLOCK``, the square of its norm one rounding more,
+the tree ``L (BLOCK - 1)`` more, so the sum within ``gamma_((L + 1)(BLOCK - 1) + 2)``; the norm
+within half that, plus two device square roots (``APPROX_ULPS`` ulp each: the blocks' and the
+last), plus ``2^-38`` for the squares lost to underflow (at most ``2^31`` of them, each under
+``2^-149``, against a sum of at least ``2^-80``). For ``n < 2^20`` (``L = 1``) that is
+``7.6e-5`` relative (:func:`quick_bound`). It assumes the device's block norm sums the fp32
+squares of a block in some order and takes an fp32 square root (inf on overflow, as the AI
+Core's default INF/NaN mode gives).
 """
 from __future__ import annotations
 
@@ -51,6 +70,12 @@ from . import flat, reference
 
 BLOCK = 1024
 """Elements per block of the blocked sum (the tree's fan-in)."""
+
+QUICK_MIN = 2.0 ** -40
+"""The smallest :func:`quick_norm` result that is trusted (its square is at least ``2^-80``)."""
+
+_U = 2.0 ** -24
+_APPROX_ULPS = 64  # fp32_exact.APPROX_ULPS: the device's fp32 sqrt may be this many ulp off
 
 _BIG, _SMALL, _TINY = 2.0 ** 40, 2.0 ** -30, 2.0 ** -90
 _DOWN, _UP, _UP_MORE = 2.0 ** -80, 2.0 ** 60, 2.0 ** 120
@@ -138,6 +163,33 @@ def norm_flat(x: torch.Tensor, noop_flag: Optional[torch.Tensor] = None) -> torc
                         torch.where(tiny, 1.0 / _UP_MORE, torch.where(small, 1.0 / _UP, one)))
     y = x * s
     return torch.sqrt(_blocked_sum(y * y)) * s_inv
+
+
+def _gamma(k: int) -> float:
+    return k * _U / (1 - k * _U)
+
+
+def quick_bound(n: int) -> float:
+    """The relative error bound of a trusted :func:`quick_norm` of ``n`` elements."""
+    blocks, levels = n // BLOCK + 1, 1
+    while blocks > BLOCK:
+        blocks, levels = -(-blocks // BLOCK), levels + 1
+    return (0.5 * _gamma((levels + 1) * (BLOCK - 1) + 2) + 2 * _APPROX_ULPS * 2.0 ** -23
+            + 2.0 ** -38)
+
+
+def quick_norm(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 L2 norm of the 1-D tensor ``x`` (any float dtype but fp64) in one read, not
+    range-safe: trusted only when finite and at least :data:`QUICK_MIN` (see the module
+    docstring). Always the same ops whether or not ``n`` is a multiple of ``BLOCK``, so the
+    launches depend only on the number of levels of the sum."""
+    n = x.numel()
+    main = n - n % BLOCK
+    blocks = torch.linalg.vector_norm(x.narrow(0, 0, main).view(-1, BLOCK), dim=1,
+                                      dtype=torch.float32)
+    tail = torch.linalg.vector_norm(x.narrow(0, main, n - main), dtype=torch.float32)
+    b = torch.cat([blocks, tail.reshape(1)])
+    return torch.sqrt(_blocked_sum(b * b))
 
 
 def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
