@@ -769,6 +769,37 @@ def check_huge_launch(args, device, backend, sync, rep: Report) -> None:
 
 # --- benchmark ------------------------------------------------------------------------------------
 
+def check_quick_norm(args, device, backend, sync, rep: Report) -> None:
+    rep.say("12. the clipped step's one-read grad norm (npu_ops.quick_norm): deterministic, "
+            "within its bound, inf on overflow")
+    from multi_tensor.backends import npu_ops
+
+    gen = torch.Generator().manual_seed(31)
+    worst, runs_differ = 0.0, 0
+    for n in (1, 1023, 1024, 4097, 1 << 18, (1 << 20) - 3):
+        for scale in (1e-12, 1.0, 1e12):
+            x = torch.randn(n, generator=gen) * scale
+            want = float(x.double().norm())
+            xd = x.to(device)
+            a, b = npu_ops.quick_norm(xd), npu_ops.quick_norm(xd)
+            sync()
+            runs_differ += int(a.cpu().view(torch.int32) != b.cpu().view(torch.int32))
+            got = float(a.cpu())
+            if want >= npu_ops.QUICK_MIN and math.isfinite(got):
+                worst = max(worst, abs(got - want) / want / npu_ops.quick_bound(n))
+    big = torch.full((4096,), 3e38, device=device)
+    overflow = float(npu_ops.quick_norm(big).cpu())
+    nan = torch.ones(4096, device=device)
+    nan[7] = float("nan")
+    nan_out = float(npu_ops.quick_norm(nan).cpu())
+    sync()
+    ok = runs_differ == 0 and worst <= 1.0 and math.isinf(overflow) and math.isnan(nan_out)
+    rep.check("quick norm", ok,
+              f"repeat runs differ: {runs_differ}; worst error {worst:.3f} of the bound; "
+              f"overflow -> {overflow}, NaN -> {nan_out}",
+              runs_differ=runs_differ, worst_of_bound=worst, overflow=overflow)
+
+
 def timed(fn, steps: int, warmup: int, sync) -> float:
     for _ in range(warmup):
         fn()
@@ -913,7 +944,7 @@ def main(argv=None) -> int:
         environment(device, backend, rep)
         checks = [check_torch_path, check_cann_step, check_cann_drift, check_literal_ema,
                   check_fp64_foreach, check_sqrt_div_rounding, check_binding_builds,
-                  check_complements, check_convert_copy, check_huge_launch]
+                  check_complements, check_convert_copy, check_huge_launch, check_quick_norm]
         if args.derive_tolerances:
             checks = [derive_tolerances]
         elif not args.skip_bench:
