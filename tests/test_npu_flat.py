@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,7 +29,7 @@ import helpers
 
 from fused_optim import FusedAdam, FusedEmaAdamW
 from multi_tensor import forced_backend, multi_tensor_fused_ema_adamw
-from multi_tensor.backends import flat, npu, npu_standin
+from multi_tensor.backends import flat, npu, npu_ops, npu_standin
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 SHAPES = ((3, 5), (130,), (1,), (7, 3, 2), (257,), (0,))
@@ -384,3 +385,50 @@ def test_grads_written_by_hand_after_zero_grad_are_seen(standin):
             with forced_backend(backend):
                 opt.step()
     assert_same(pa, oa, pb, ob)
+
+
+def _ieee_sqrt(tensors):
+    """An IEEE device's fp32 sqrt (numpy's, the hardware instruction)."""
+    return [torch.from_numpy(np.sqrt(t.numpy())) for t in tensors]
+
+
+def _one_ulp_off_sqrt(tensors):
+    """A device whose fp32 sqrt is one ulp high on every finite positive result."""
+    out = []
+    for t in _ieee_sqrt(tensors):
+        moved = (t.view(torch.int32) + 1).view(F32)
+        out.append(torch.where(torch.isfinite(t) & (t > 0), moved, t))
+    return out
+
+
+@pytest.mark.parametrize("case", ["fp32_adamw", "bf16_masters", "fused_adam"])
+def test_the_devices_own_sqrt_and_div_when_they_are_ieee(monkeypatch, standin, case):
+    """MULTI_TENSOR_NPU_IEEE_SQRT_DIV=1: the torch path on the device's own fp32 sqrt and
+    division, bitwise the reference where those are correctly rounded (numpy's sqrt here), and
+    not where the sqrt is not: the switch is for devices npu_check has shown IEEE."""
+    kw = dict(CASES[case], lr=1e-2, steps=5)
+    pb, ob = fit("reference", **kw)
+    calls = []
+    monkeypatch.setattr(npu_ops, "device_sqrt", lambda t: calls.append(1) or _ieee_sqrt(t))
+    trusted = npu.device_sqrt_div()
+    npu.set_device_sqrt_div(True)
+    try:
+        pa, oa = fit(STANDIN, **kw)
+        assert_same(pa, oa, pb, ob)
+        assert len(calls) == 5, "the device's own sqrt was not the one used"
+        monkeypatch.setattr(npu_ops, "device_sqrt", _one_ulp_off_sqrt)
+        pc, oc = fit(STANDIN, **kw)
+    finally:
+        npu.set_device_sqrt_div(trusted)
+    with pytest.raises(AssertionError):  # (bf16 params may round alike: the masters differ)
+        assert_same(pc, oc, pb, ob)
+
+
+def test_the_device_sqrt_div_switch_reads_its_environment(monkeypatch):
+    monkeypatch.setenv(npu.IEEE_ENV, "2")
+    with pytest.raises(ValueError, match=npu.IEEE_ENV):
+        npu._env_flag(npu.IEEE_ENV)
+    monkeypatch.setenv(npu.IEEE_ENV, "1")
+    assert npu._env_flag(npu.IEEE_ENV)
+    monkeypatch.delenv(npu.IEEE_ENV)
+    assert not npu._env_flag(npu.IEEE_ENV)

@@ -243,7 +243,12 @@ SCENARIO_TABLE = {
     # on the fp32 buffer), operator, lerp, master->param cast: 6 + 8 + 36 + 12 + 6 = 68;
     # found_inf read once on the host
     "fp16 + masters + GradScaler, cann": (CAST_IN + SCALE + OP + LERP + CAST_OUT, 1),
+    # the fp32 torch path with the device's own sqrt and division (set where npu_check shows
+    # them correctly rounded): the op list above with an fp32 sqrt, 208 B/element
+    # (TORCH_TARGETS: not a launch sequence of the operator's)
+    "fp32, torch, device sqrt/div": (None, 0),
 }
+TORCH_TARGETS = {"fp32, torch, device sqrt/div": (208, 22)}  # (bytes/element, launches)
 PARAMS = (20, 200)
 
 
@@ -353,6 +358,19 @@ def test_the_clipped_step_reads_the_grads_once():
     m = measure("fp32 + max_grad_norm, cann", PARAMS[1])
     assert m.ours.ops.get("linalg_vector_norm") == 2, _describe(m)
     assert "abs" not in m.ours.ops and "amax" not in m.ours.ops and "copy_" not in m.ours.ops
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_TARGETS))
+@pytest.mark.parametrize("params", PARAMS)
+def test_the_torch_path_on_the_devices_own_sqrt_and_div(name, params):
+    # a tenth of the exact emulation's launches and bytes, the same for any number of params
+    target, launches = TORCH_TARGETS[name]
+    m = measure(name, params)
+    assert abs(m.bytes_per_element - target) <= 0.1 * target, (target, _describe(m))
+    assert m.ours.launches <= launches, _describe(m)
+    exact = measure("fp32, torch", params)
+    assert 10 * m.ours.launches <= exact.ours.launches, (_describe(m), _describe(exact))
+    assert 10 * m.bytes_per_element <= exact.bytes_per_element
 
 
 def test_gradscalers_own_ops_are_reported_apart():

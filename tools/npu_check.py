@@ -15,8 +15,9 @@ Exit status 0 when every check passes, 1 when one fails (each line says which an
 What it checks (the reference backend runs on the CPU, on copies of the same tensors):
 
 1. ``torch`` path (the default, ``MULTI_TENSOR_NPU_OP=torch``) against the reference over
-   ``--parity-steps`` steps: **bitwise**. This is the package's contract; on the NPU it holds
-   only if torch_npu's fp32 division and fp64 sqrt are correctly rounded (CANN does not say).
+   ``--parity-steps`` steps: **bitwise**. This is the package's contract; the path uses no fp64
+   and builds sqrt and division correctly rounded from fp32 ops, so on the NPU it holds if the
+   device's fp32 add, subtract, multiply and compare are IEEE.
    A mismatch is reported as FAIL with the largest distance in ulps.
 2. ``cann`` and ``cann_literal`` paths, one step from the reference's state (after 0 and 5
    warm-up steps), element by element, within :func:`cann_bounds` (the error bound of each sum,
@@ -35,14 +36,18 @@ What it checks (the reference backend runs on the CPU, on copies of the same ten
    (``aclnnForeachSqrt``: error 161002) (information).
 7. fp32 ``sqrt`` and ``/`` on the device against an IEEE oracle (fp64 of fp32 operands rounded
    once, which is correctly rounded), over ``--rounding-samples`` random bit patterns plus near
-   ties, 1 +- k ulp, powers of two and extremes (information: the ``torch`` path is bitwise only
-   if both are correctly rounded).
+   ties, 1 +- k ulp, powers of two and extremes; with ``--sqrt-exhaustive`` sqrt also on every
+   positive finite fp32 (information, and the verdict on ``MULTI_TENSOR_NPU_IEEE_SQRT_DIV=1``:
+   the ``torch`` path may take the device's own sqrt and division, a tenth of its launches and
+   bytes, only where both are correctly rounded).
 8. The built-in binding builds, links and runs its probe launch (hardware only).
 9. The operator's complements, read off one launch (``grad = 1``, ``m = v = s = 0``, ``lr = 0``):
    ``1 - fp32(beta)`` as the kernel's source says, or ``fp32(1 - beta)`` (PASS if either, named).
 10. The cost of a dtype-converting copy: bf16 -> fp32 ``copy_`` against fp32 -> fp32 (information).
 11. One operator launch over more than 2^31 elements (skipped without 41 GiB free on the device):
     elements on both sides of 2^31 get the same update.
+12. The clipped step's one-read grad norm (``npu_ops.quick_norm``): the same bits on a repeat
+    run, within ``quick_bound`` of the fp64 norm, inf on overflow, NaN on a NaN.
 
 Every check prints one ``[PASS]``/``[FAIL]``/``[info]`` line and a field of the ``--json`` file;
 ``--stand-in`` runs all that can run on CPU (8 and 11 report themselves skipped).
@@ -673,6 +678,7 @@ def check_sqrt_div_rounding(args, device, backend, sync, rep: Report) -> None:
     fi = torch.finfo(torch.float32)
     q = x.double() / y.double()
     keep = (q.abs() <= fi.max) & (q.abs() >= fi.tiny)
+    verdict = {}
     got_sqrt = torch.sqrt(x.to(device)).cpu()
     got_div = (x.to(device) / y.to(device)).cpu()
     sync()
@@ -686,6 +692,34 @@ def check_sqrt_div_rounding(args, device, backend, sync, rep: Report) -> None:
                  f"{'yes' if bad == 0 else 'NO'}: {bad} of {got.numel():,} differ from the IEEE "
                  f"oracle" + (f", up to {worst:.1f} ulp" if bad else ""),
                  mismatches=bad, samples=got.numel(), max_ulp=worst)
+        verdict[name] = bad == 0
+    if args.sqrt_exhaustive:
+        bad = _sqrt_every_fp32(device, sync)
+        rep.info("fp32 sqrt on every positive fp32", f"{bad:,} of 2,139,095,039 wrong",
+                 mismatches=bad)
+        verdict["sqrt"] = verdict["sqrt"] and bad == 0
+    # the torch path may use the device's own sqrt and division only where both are IEEE
+    safe = verdict["sqrt"] and verdict["div"] and args.sqrt_exhaustive
+    rep.info(f"{npu.IEEE_ENV}=1",
+             "may be set on this device and CANN version (sqrt: every fp32; division: the "
+             "samples above)" if safe else
+             "must not be set" + ("" if args.sqrt_exhaustive else
+                                  " (or run with --sqrt-exhaustive: sqrt on every fp32)"),
+             safe=safe)
+
+
+def _sqrt_every_fp32(device, sync, chunk: int = 1 << 24) -> int:
+    """The device's fp32 sqrt against the oracle (fp64 sqrt rounded once) on every positive
+    finite fp32, ``chunk`` bit patterns per launch."""
+    bad, top = 0, 0x7F800000
+    for lo in range(1, top, chunk):
+        bits = torch.arange(lo, min(lo + chunk, top), dtype=torch.int32)
+        x = bits.view(torch.float32)
+        got = torch.sqrt(x.to(device)).cpu()
+        sync()
+        want = x.double().sqrt().float()
+        bad += int((got.view(torch.int32) != want.view(torch.int32)).sum())
+    return bad
 
 
 def check_binding_builds(args, device, backend, sync, rep: Report) -> None:
@@ -916,6 +950,9 @@ def parse(argv):
                     help="launches per EMA-of-a-constant run (default 20000; 300 stand-in)")
     ap.add_argument("--rounding-samples", type=int, default=None,
                     help="random fp32 inputs of the sqrt/div check (default 4M; 200k stand-in)")
+    ap.add_argument("--sqrt-exhaustive", action="store_true",
+                    help="check 7 also runs the device's fp32 sqrt on every positive finite fp32 "
+                         "(2,139,095,039 values; what MULTI_TENSOR_NPU_IEEE_SQRT_DIV=1 needs)")
     ap.add_argument("--copy-numel", type=int, default=None,
                     help="elements of the copy-cost check (default 64M; 1M stand-in)")
     ap.add_argument("--derive-numel", type=int, default=20_000)

@@ -50,12 +50,16 @@ Numerics (the package's contract is bitwise equality with the reference backend)
 * ``MULTI_TENSOR_NPU_OP=torch`` (**the default**): the flat buffers run the reference backend's
   own code (:func:`multi_tensor.backends.reference.adam_family` on one-element lists: one flat
   tensor per list *is* the bucket), i.e. ``multi_tensor/rules.py``'s operation order with one
-  torch op per line, about 25 launches per bucket whatever its number of params. On the CPU
-  stand-in this is bitwise equal to the unflattened reference (tested). No op runs in fp64
-  (the AI Core has none): sqrt and division are made correctly rounded from fp32 operations
-  (:mod:`multi_tensor.backends.fp32_exact`, the device's own sqrt/div only a first guess), so
-  on an NPU it is bitwise if the device's fp32 multiply, add and subtract are IEEE, which
-  ``tools/npu_check.py`` checks.
+  torch op per line, whatever the bucket's number of params. On the CPU stand-in this is
+  bitwise equal to the unflattened reference (tested). No op runs in fp64 (the AI Core has
+  none): sqrt and division are made correctly rounded from fp32 operations
+  (:mod:`multi_tensor.backends.fp32_exact`, the device's own sqrt/div only a first guess;
+  about 270 launches per bucket), so on an NPU it is bitwise if the device's fp32 multiply,
+  add and subtract are IEEE, which ``tools/npu_check.py`` checks. Where ``tools/npu_check.py``
+  has shown the device's own fp32 sqrt and division correctly rounded (its check 7, sqrt over
+  every positive fp32 with ``--sqrt-exhaustive``), ``MULTI_TENSOR_NPU_IEEE_SQRT_DIV=1``
+  (:func:`set_device_sqrt_div`) uses them as they are: one launch each, the same bits, about
+  a tenth of the launches and bytes.
 * ``MULTI_TENSOR_NPU_OP=cann``: the fast path, opt in. CANN's op updates var, m and v in one
   launch, then one ``lerp_`` takes the EMA in the package's unbiased form
   ``s + (1 - d) * (var' - s)`` (the op is called with ``ema_decay=1``, which leaves ``s``
@@ -125,9 +129,44 @@ FLAT_GRADS_ENV = "MULTI_TENSOR_NPU_FLAT_GRADS"
 """``0``: an optimizer's NPU buckets leave ``.grad`` alone (gathered per step, ``zero_grad`` as
 torch's); ``1`` or unset (the default): grads become views of one flat buffer per bucket."""
 
+IEEE_ENV = "MULTI_TENSOR_NPU_IEEE_SQRT_DIV"
+"""``1``: the ``torch`` path takes the device's own fp32 sqrt and division (set it only where
+``tools/npu_check.py`` reports both correctly rounded on this CANN version); ``0`` or unset (the
+default): both built correctly rounded from fp32 ops (:mod:`fp32_exact`)."""
+
 _mode_lock = threading.Lock()
 _mode: List[str] = [os.environ.get("MULTI_TENSOR_NPU_OP", "") or "torch"]
 _warned: set = set()
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: choose 1 or 0")
+    return value == "1"
+
+
+_device_sqrt_div: List[bool] = [_env_flag(IEEE_ENV)]
+
+
+def device_sqrt_div() -> bool:
+    """Whether the ``torch`` path uses the device's own fp32 sqrt and division (:data:`IEEE_ENV`)."""
+    return _device_sqrt_div[0]
+
+
+def set_device_sqrt_div(trusted: bool) -> None:
+    """Use the device's own fp32 sqrt and division on the ``torch`` path (``trusted``), or the
+    correctly rounded ones built from fp32 ops (the default). Only where ``tools/npu_check.py``
+    has shown the device's correctly rounded: otherwise the path is no longer bitwise."""
+    with _mode_lock:
+        _device_sqrt_div[0] = bool(trusted)
+
+
+def _sqrt_div() -> tuple:
+    """The ``torch`` path's sqrt and division (lists in, lists out)."""
+    if _device_sqrt_div[0]:
+        return npu_ops.device_sqrt, npu_ops.device_div
+    return fp32_exact.sqrt, fp32_exact.div
 
 
 def _check_mode(mode: str) -> str:
@@ -471,12 +510,13 @@ class FlatAdamBucket:
             exp_avg_sqs=[self.exp_avg_sq.flat],
             emas=[self.ema_list.flat] if self.ema else None)
         total = self.layout.total
+        sqrt, div = _sqrt_div()
         for start in range(0, total, TORCH_PATH_SLICE):
             n = min(TORCH_PATH_SLICE, total - start)
             # no fp64 on the device: sqrt and division correctly rounded from fp32 ops
             reference.adam_family(self.chunk_size, None,
                                   flat_lists.map(lambda t: t.narrow(0, start, n)), c, grad_scale,
-                                  False, sqrt=fp32_exact.sqrt, div=fp32_exact.div)
+                                  False, sqrt=sqrt, div=div)
         return True
 
     def _run_cann(self, g_flat, owned, c, grad_scale, check_finite, noop_flag, *,

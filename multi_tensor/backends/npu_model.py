@@ -411,9 +411,15 @@ SCENARIOS = {
     "bf16 + masters, torch": dict(dtype=torch.bfloat16, mode="torch"),
     "fp32 + max_grad_norm, cann": dict(dtype=torch.float32, mode="cann", max_grad_norm=1.0),
     "fp16 + masters + GradScaler, cann": dict(dtype=torch.float16, mode="cann", scaler=True),
+    # beyond issue 16's six: the exact path where the device's own sqrt and division are known
+    # to be correctly rounded (multi_tensor.backends.npu.IEEE_ENV)
+    "fp32, torch, device sqrt/div": dict(dtype=torch.float32, mode="torch",
+                                         device_sqrt_div=True),
 }
 """Name -> options: the param dtype (fp16/bf16 params keep fp32 masters), the NPU op mode
-(:data:`multi_tensor.backends.npu.OP_MODES`), clipping, ``torch.amp.GradScaler``."""
+(:data:`multi_tensor.backends.npu.OP_MODES`), clipping, ``torch.amp.GradScaler``, the device's
+own sqrt and division on the ``torch`` path (:func:`multi_tensor.backends.npu.set_device_sqrt_div`;
+off unless named)."""
 
 
 def param_shapes(count: int, seed: int = 0, low: int = 1000, high: int = 5000) -> List[tuple]:
@@ -456,7 +462,7 @@ def run_scenario(name: str, params: int, *, steps: int = 3, seed: int = 0,
     """
     from fused_optim import FusedEmaAdamW  # the package imports this module never
 
-    from . import npu_standin
+    from . import npu, npu_standin
     from . import forced_backend
 
     options = SCENARIOS[name]
@@ -476,8 +482,11 @@ def run_scenario(name: str, params: int, *, steps: int = 3, seed: int = 0,
     device_op = inspect.signature(npu_standin.standin_backend).parameters["device_op"].default
     if not callable(device_op):  # None: the real loader, which needs torch_npu
         device_op = npu_standin.reference_device_op
-    with npu_standin.standin_backend(device_op=model.device_op(device_op),
-                                     mode=options["mode"]) as backend:
+    with contextlib.ExitStack() as scope:
+        scope.callback(npu.set_device_sqrt_div, npu.device_sqrt_div())
+        npu.set_device_sqrt_div(options.get("device_sqrt_div", False))
+        backend = scope.enter_context(npu_standin.standin_backend(
+            device_op=model.device_op(device_op), mode=options["mode"]))
         for k in range(steps):
             opt.zero_grad()
             scale = 2.0 ** 10 if scaler is not None else 1.0

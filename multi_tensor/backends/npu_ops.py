@@ -81,6 +81,17 @@ _BIG, _SMALL, _TINY = 2.0 ** 40, 2.0 ** -30, 2.0 ** -90
 _DOWN, _UP, _UP_MORE = 2.0 ** -80, 2.0 ** 60, 2.0 ** 120
 
 
+def device_sqrt(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The device's own fp32 sqrt (one launch): the ``torch`` path's where it is known to be
+    correctly rounded (:data:`multi_tensor.backends.npu.IEEE_ENV`)."""
+    return torch._foreach_sqrt(tensors)
+
+
+def device_div(a: List[torch.Tensor], b: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The device's own fp32 division (one launch), as :func:`device_sqrt`."""
+    return torch._foreach_div(a, b)
+
+
 def _refuse_fp64(op: str, lists) -> None:
     for name, tensors in lists:
         for i, t in enumerate(tensors):
