@@ -19,8 +19,8 @@ kernels are written around (the same code runs on the GPU):
   hints are written in the kernels' bodies and checked in the PTX);
 * a mask combining a block with a scalar flag is refused: the noop flag is folded into the
   chunk's end (``end = start`` when set);
-* ``tl.multiple_of`` hints are no-ops (they matter only to the compiled kernel; the host sets
-  ``ALIGNED`` only when they hold);
+* ``tl.multiple_of`` hints are no-ops (they matter only to the compiled kernel; the host picks
+  ``ALIGN_ALL`` only when they hold, and ``ALIGN_CHUNK`` kernels test each chunk themselves);
 * Triton's unary minus is ``0 - x`` (+0 stays +0): negation flips the sign bit instead.
 
 Skips (with the reason) when triton is not installed. Runs in about a minute on 2 cores.
@@ -1200,6 +1200,181 @@ def _grad_norm_kept():
     flag = torch.zeros(1, dtype=torch.int32)
     bucket.grad_norm(flag)
     assert int(flag.item()) == 1
+
+
+class _launches:
+    """Records the launches of triton_host (kernel name, ALIGN mode, the list base tensors)."""
+
+    def __enter__(self):
+        from multi_tensor.backends import triton_host
+        self.host, self.saved, self.seen = triton_host, triton_host._launch, []
+
+        def record(kernel, grid, device, *args, **kwargs):
+            self.seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__,
+                              kwargs.get("ALIGN"), args))
+            return self.saved(kernel, grid, device, *args, **kwargs)
+        triton_host._launch = record
+        return self
+
+    def __exit__(self, *exc):
+        self.host._launch = self.saved
+        return False
+
+    def of(self, name: str):
+        return [(align, args) for k, align, args in self.seen if k == name]
+
+
+def _scale_one_unaligned(sdt, ddt):
+    """scale with one tensor of each list at a misaligned address (a view at element offset 1;
+    the src's first, so the first tensor is not the base) in lists of aligned ones: one launch
+    decided per chunk (ALIGN_CHUNK), both bases at aligned addresses, some chunks aligned and
+    some not in the table the kernel tests, the reference's bits (a misaligned chunk on the
+    128-bit path would read rounded-down offsets), a NaN in the misaligned view found. Fully
+    aligned lists: ALIGN_ALL (ALIGN_CHUNK with a chunk size that is not a multiple of 16);
+    every src misaligned: ALIGN_NONE; the same bits each time."""
+    from multi_tensor.backends import triton_gpu
+    from multi_tensor.backends.triton_kernels import ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE
+    gen = torch.Generator().manual_seed(7)
+    shapes = ((3000,), (5,), (2048,), (4, 7), (1030,))
+    base = [(torch.randn(s, generator=gen, dtype=F64) * 1e3).to(sdt) for s in shapes]
+    width = {F64: 2, F32: 4, F16: 8, BF16: 8}
+    want = [torch.full(s, 7.0, dtype=ddt) for s in shapes]
+    reference.scale(1024, torch.zeros(1, dtype=torch.int32), [base, want], 1.0 / 3.0)
+    one = list(base)
+    one[0] = _offset_view(base[0], 1)
+    every = [_offset_view(t, 1) for t in base]
+    for srcs, dst_row, chunk, mode in ((one, 4, 1024, ALIGN_CHUNK), (base, None, 1024, ALIGN_ALL),
+                                       (base, None, 1000, ALIGN_CHUNK),
+                                       (every, None, 1024, ALIGN_NONE)):
+        got = [torch.full(s, 7.0, dtype=ddt) for s in shapes]
+        if dst_row is not None:
+            got[dst_row] = _offset_view(got[dst_row], 1)
+        flag = torch.zeros(1, dtype=torch.int32)
+        with _launches() as rec:
+            triton_gpu.scale(chunk, flag, [srcs, got], 1.0 / 3.0)
+        (align, args), = rec.of("_scale_kernel")
+        what = f"scale {sdt}->{ddt} chunk {chunk}"
+        assert align == mode, (what, align, mode)
+        assert_lists_equal([got], [want], what)
+        assert int(flag.item()) == 0
+        if mode == ALIGN_NONE:
+            continue
+        table, src_base, dst_base = args[0], args[3], args[4]
+        assert src_base.data_ptr() % 16 == 0 and dst_base.data_ptr() % 16 == 0, what
+        vec = ((table[0] % width[sdt] == 0) & (table[1] % width[ddt] == 0)
+               & (table[3] % 16 == 0))
+        if mode == ALIGN_CHUNK:
+            assert bool(vec.any()) and not bool(vec.all()), (what, vec.tolist())
+        else:
+            assert bool(vec.all()), (what, vec.tolist())
+    bad = list(one)
+    bad[0] = _offset_view(base[0], 1)
+    bad[0][2999] = float("nan")
+    flag = torch.zeros(1, dtype=torch.int32)
+    triton_gpu.scale(1024, flag, [bad, [torch.zeros(s, dtype=ddt) for s in shapes]], 2.0)
+    assert int(flag.item()) == 1, "a NaN in the misaligned source did not set the noop flag"
+
+
+for _s, _d in ((F32, F32), (BF16, F32), (F32, F16), (F16, F16), (F64, F64), (F64, BF16)):
+    case(f"scale-one-unaligned-{str(_s)[6:]}-{str(_d)[6:]}")(
+        lambda s=_s, d=_d: _scale_one_unaligned(s, d))
+
+
+def _l2norm_one_unaligned(dt):
+    """l2norm with one tensor at a misaligned address (the first, so the first tensor is not
+    the base) in a list of aligned ones: one sum-of-squares launch decided per block
+    (ALIGN_CHUNK) from an aligned base, some blocks aligned and some not in the table the kernel
+    tests; the bits of the same values in aligned tensors (ALIGN_ALL) and all misaligned
+    (ALIGN_NONE), so the sum does not depend on the path, and the reference's bits; an inf in
+    the misaligned view found."""
+    from multi_tensor.backends import triton_gpu
+    from multi_tensor.backends.triton_kernels import ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE
+    gen = torch.Generator().manual_seed(8)
+    # 9000: two whole 4096-blocks and a tail; 8193: a one-element block
+    shapes = ((9000,), (5,), (4096,), (4, 7), (8193,), (0,))
+    aligned = [torch.randn(s, generator=gen, dtype=F64).to(dt) for s in shapes]
+    one = list(aligned)
+    one[0] = _offset_view(aligned[0], 1)
+    every = [_offset_view(t, 1) for t in aligned]
+    rt, rp = reference.l2norm(64, torch.zeros(1, dtype=torch.int32), [aligned], True)
+    width = {F64: 2, F32: 4, F16: 8, BF16: 8}[dt]
+    results = []
+    for ts, mode in ((one, ALIGN_CHUNK), (aligned, ALIGN_ALL), (every, ALIGN_NONE)):
+        flag = torch.zeros(1, dtype=torch.int32)
+        with _launches() as rec:
+            total, per = triton_gpu.l2norm(64, flag, [ts], True)
+        (align, args), = rec.of("_sumsq_kernel")
+        assert align == mode, (dt, align, mode)
+        assert int(flag.item()) == 0
+        if mode != ALIGN_NONE:
+            table, base = args[0], args[2]
+            assert base.data_ptr() % 16 == 0, "the sum of squares' base is misaligned"
+            vec = table[0] % width == 0
+            assert bool(vec.all()) == (mode == ALIGN_ALL) and bool(vec.any()), vec.tolist()
+        results.append((total, per))
+    for total, per in results:
+        assert same_bits(total, results[0][0]) and same_bits(per, results[0][1]), \
+            f"l2norm {dt}: the sum depends on the alignment"
+        assert same_bits(total, rt) and same_bits(per, rp), \
+            f"l2norm {dt}: {float(total)!r} {float(rt)!r}"
+    bad = list(one)
+    bad[0] = _offset_view(aligned[0], 1)
+    bad[0][8999] = float("inf")
+    flag = torch.zeros(1, dtype=torch.int32)
+    triton_gpu.l2norm(64, flag, [bad], False)
+    assert int(flag.item()) == 1, "an inf in the misaligned tensor did not set the noop flag"
+
+
+for _dt in (F32, BF16, F16, F64):
+    case(f"l2norm-one-unaligned-{str(_dt)[6:]}")(lambda d=_dt: _l2norm_one_unaligned(d))
+
+
+@case("clipped-step-keeps-its-norm-scratch")
+def _norm_scratch():
+    """A clipped step with the same grads allocates no new l2norm scratch: the bucket's plan,
+    its blocks' and tensors' sums are the same objects; the norms it returns are fresh (a
+    norm kept from one step is not overwritten by the next)."""
+    import fused_optim
+    k = _k()
+    op = "adam"
+    lists = make_lists(op, "fp32", SHAPES)
+    bucket = k.AdamBucket(op, named_lists(op, lists).state(), 2048)
+    grads = lists[0]
+    assert bucket.bind(grads)
+    first = bucket.grad_norm(torch.zeros(1, dtype=torch.int32))
+    plan = bucket._norm
+    scratch = (plan.partial, plan.per64, plan.per32)
+    kept = first.clone()
+    for g in grads:
+        g.mul_(2.0)  # the same grads, new values
+    assert bucket.bind(grads)
+    second = bucket.grad_norm(torch.zeros(1, dtype=torch.int32))
+    assert bucket._norm is plan and (plan.partial, plan.per64, plan.per32) == scratch
+    assert all(a is b for a, b in zip((plan.partial, plan.per64, plan.per32), scratch))
+    assert second is not first and same_bits(first, kept), "a returned norm was overwritten"
+    assert same_bits(second, first * 2), (float(second), float(first))
+    # the optimizer's clipped step, twice with the same grad tensors
+    _cpu_clone_backend()
+    with multi_tensor.backends.forced_backend("triton_interp"):
+        gen = torch.Generator().manual_seed(10)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((5, 7), (5000,))]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt = fused_optim.FusedAdamW(params, lr=1e-2, max_grad_norm=0.5)
+        opt.step()
+        norm1 = opt.last_grad_norm
+        value1 = norm1.clone()
+        buckets = [b.active for plan in opt._plans.values() for b in plan.buckets]
+        assert buckets and all(type(b).__name__ == "AdamBucket" for b in buckets), buckets
+        plans = [(b._norm, b._norm.partial, b._norm.per64) for b in buckets]
+        for p in params:
+            p.grad.mul_(3.0)
+        opt.step()
+        for b, (nplan, partial, per64) in zip(buckets, plans):
+            assert b._norm is nplan and b._norm.partial is partial and b._norm.per64 is per64, \
+                "a clipped step allocated new l2norm scratch"
+        assert same_bits(norm1, value1), "last_grad_norm of the first step was overwritten"
+        assert not same_bits(opt.last_grad_norm, norm1)
 
 
 # ---------------------------------------------------------------------------------------------

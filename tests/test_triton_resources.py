@@ -1,7 +1,7 @@
 """What the Triton backend's kernels cost an sm_90a GPU, checked on this CPU machine.
 
 Every kernel variant the backend can launch (``triton_aot.aot_variants``: every op, list form,
-dtype combination, aligned per bucket, per chunk or not) is compiled for sm_90a and assembled
+dtype combination, each ALIGN mode: aligned per launch, per chunk or not) is compiled for sm_90a and assembled
 by Triton's bundled ``ptxas -v``. Asserted:
 
 * no shared memory (``ld/st.shared``) and no barrier (``bar.sync``) in the PTX of the
@@ -13,13 +13,14 @@ by Triton's bundled ``ptxas -v``. Asserted:
 * at most 96 registers per thread (at most 80 when every list is fp32), so that enough warps fit
   on an SM to keep the loads in flight. The step-scalars kernel runs one thread once per step:
   its register count does not matter and is not limited;
-* in the aligned variants (``ALIGN_ALL``, scale's and the sum of squares' ``ALIGNED``), every
-  unmasked global load and store of every list is 128-bit (``ld/st.global.v4.b32``; fp64:
+* in the aligned variants (``ALIGN_ALL``), every unmasked global load and store of every list
+  is 128-bit (``ld/st.global.v4.b32``; fp64:
   ``.v2.b64``; 16-bit lists are moved as packed 32-bit words), counted per list: each access is
   traced back to the kernel parameter its address derives from. The masked tail of a tensor
   (predicated accesses) is element by element;
 * in the variants that decide per chunk (``ALIGN_CHUNK``: a tensor at a misaligned address,
-  such as a grad view into a flat buffer, in a bucket of aligned ones), the two branches are
+  such as a grad view into a flat buffer, in a bucket, scale group or l2norm group of aligned
+  ones; the sum of squares decides per fixed block), the two branches are
   counted apart per list: the aligned chunks' whole blocks in exactly the 128-bit accesses of
   the aligned variant, the element-by-element loop in accesses of one element (one per element
   of its block per thread), nothing of another width; ``ALIGN_NONE``: no 128-bit access.
@@ -209,20 +210,18 @@ def _dtype_of(kernel, arg, cx) -> int:
 
 
 def _align(cx) -> int:
-    """The variant's ALIGN mode (scale and the sum of squares: ALIGNED, all or none)."""
-    if "ALIGN" in cx:
-        return cx["ALIGN"]
-    return K.ALIGN_ALL if cx.get("ALIGNED") else K.ALIGN_NONE
+    """The variant's ALIGN mode."""
+    return cx["ALIGN"]
 
 
 def _scalar_per_thread(kernel, cx) -> int:
     """Elements per thread of one element-by-element block: the Adam kernel's are half blocks
-    (a quarter in fp64 beside the 128-bit loop), the non-finite scan's whole blocks (half beside
-    the 128-bit loop)."""
+    (a quarter in fp64 beside the 128-bit loop), the non-finite scan's and scale's whole blocks
+    (half beside the 128-bit loop), the sum of squares' whole blocks (its lanes fix the sum)."""
     block, chunk = cx["BLOCK"], _align(cx) == K.ALIGN_CHUNK
     if kernel.__name__ == "_adam_kernel":
         block //= 4 if chunk and cx["P_DT"] == K.F64 else 2
-    elif chunk:
+    elif chunk and kernel.__name__ != "_sumsq_kernel":
         block //= 2
     return block // (32 * K.NUM_WARPS)
 
@@ -298,8 +297,8 @@ def test_chunk_branches_are_told_apart(name):
 def test_every_op_list_form_and_dtype_is_covered():
     """The variant list covers what the backend can launch: every Adam-family dtype path
     (params x grads x masters x EMA storage) in every ALIGN mode, with and without a grad
-    scale; the non-finite scan for every dtype in every ALIGN mode; scale for every (src, dst)
-    pair and the sum of squares for every dtype, ALIGNED and not."""
+    scale; the non-finite scan, scale (every (src, dst) pair) and the sum of squares for every
+    dtype in every ALIGN mode."""
     modes = (K.ALIGN_ALL, K.ALIGN_CHUNK, K.ALIGN_NONE)
     dts = (K.F32, K.F16, K.BF16)
     want = set()
@@ -320,12 +319,10 @@ def test_every_op_list_form_and_dtype_is_covered():
     assert want <= got, f"Adam variants not covered: {sorted(want - got)}"
     assert {s[3] for s in scales} == {False, True}
     every = (K.F32, K.F16, K.BF16, K.F64)
-    for kname, keys, flags in (("_scale_kernel", ("S_DT", "D_DT"), (True, False)),
-                               ("_nonfinite_kernel", ("G_DT",), modes),
-                               ("_sumsq_kernel", ("DT",), (True, False))):
-        key = "ALIGN" if kname == "_nonfinite_kernel" else "ALIGNED"
-        have = {tuple(cx[k] for k in keys) + (cx[key],)
+    for kname, keys in (("_scale_kernel", ("S_DT", "D_DT")), ("_nonfinite_kernel", ("G_DT",)),
+                        ("_sumsq_kernel", ("DT",))):
+        have = {tuple(cx[k] for k in keys) + (cx["ALIGN"],)
                 for _, kernel, _, cx in VARIANTS.values() if kernel.__name__ == kname}
-        need = {tuple(c) + (a,) for a in flags
+        need = {tuple(c) + (a,) for a in modes
                 for c in itertools.product(every, repeat=len(keys))}
         assert need <= have, f"{kname}: not covered: {sorted(need - have)}"

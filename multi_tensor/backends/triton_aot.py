@@ -17,7 +17,8 @@ from .triton_kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BF16, BLOCK, CO
 
 
 _PTR = {F32: "*fp32", F16: "*fp16", BF16: "*i16", F64: "*fp64"}
-# the ALIGN modes of the Adam kernel and the non-finite scan, as the variant names spell them
+# the ALIGN modes (the Adam kernel, the non-finite scan, scale, the sum of squares), as the
+# variant names spell them
 ALIGN_NAMES = {ALIGN_ALL: "aligned", ALIGN_CHUNK: "chunk", ALIGN_NONE: "unaligned"}
 
 
@@ -26,8 +27,8 @@ def aot_variants():
     backend can launch it, for the ahead-of-time PTX and resource checks. Adam family: every
     dtype path (params x grads x masters x EMA storage: none, the state dtype or bf16), in
     each ALIGN mode (every chunk aligned, aligned per chunk, none), with and without a grad
-    scale (alternating); the non-finite check: every dtype in each ALIGN mode; scale and
-    l2norm's sum of squares: every dtype (pair), ALIGNED and not; the l2norm combine phases;
+    scale (alternating); the non-finite check, scale and l2norm's sum of squares: every dtype
+    (pair) in each ALIGN mode; the l2norm combine phases;
     the device step kernel with fp32 and fp64 scalars, lr float or tensor."""
     out = []
     combos = []  # (param, grad, master, ema storage: None = no EMA)
@@ -61,19 +62,19 @@ def aot_variants():
                    "noop": "*i32"}
             out.append((f"nonfinite_g{g}_{ALIGN_NAMES[align]}", _nonfinite_kernel, sig,
                         dict(NL=5, G_DT=g, ALIGN=align, BLOCK=BLOCK)))
-    for aligned in (True, False):
-        tag = "aligned" if aligned else "unaligned"
+    for align in (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE):
+        tag = ALIGN_NAMES[align]
         for sdt in (F32, F16, BF16, F64):
             for ddt in (F32, F16, BF16, F64):
                 sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "src_base": _PTR[sdt],
                        "dst_base": _PTR[ddt], "factor": "*fp64", "noop": "*i32"}
                 out.append((f"scale_s{sdt}_d{ddt}_{tag}", _scale_kernel, sig,
-                            dict(S_DT=sdt, D_DT=ddt, ALIGNED=aligned, BLOCK=BLOCK)))
+                            dict(S_DT=sdt, D_DT=ddt, ALIGN=align, BLOCK=BLOCK)))
         for dt in (F32, F16, BF16, F64):
             sig = {"table": "*i64", "n_blocks": "i32", "base": _PTR[dt], "partial": "*fp64",
                    "noop": "*i32"}
             out.append((f"sumsq_{dt}_{tag}", _sumsq_kernel, sig,
-                        dict(DT=dt, NB=NORM_BLOCK, ALIGNED=aligned, BLOCK=BLOCK)))
+                        dict(DT=dt, NB=NORM_BLOCK, ALIGN=align, BLOCK=BLOCK)))
     out.append(("rowsum", _rowsum_kernel, {"partial": "*fp64", "rows": "*i64", "n_rows": "i32",
                                            "per64": "*fp64", "per32": "*fp32"},
                 dict(RB=NORM_RBLOCK)))

@@ -3,8 +3,9 @@
 The kernels are :mod:`multi_tensor.backends.triton_kernels` (whose docstring describes the
 pointer table, the exactness rules and the device-side steps); this module builds what they
 read and launches them: :class:`AdamBucket` (the Adam family's prepared bucket), :func:`scale`
-and :func:`l2norm`. Imported only through :mod:`multi_tensor.backends.triton_gpu` (it imports
-triton).
+and :func:`l2norm`. Each launch's ``ALIGN`` mode is chosen here from the tensors' addresses
+(every one 16-byte aligned, some, none), with each list's base a tensor at an aligned address.
+Imported only through :mod:`multi_tensor.backends.triton_gpu` (it imports triton).
 """
 from __future__ import annotations
 
@@ -555,8 +556,24 @@ class AdamBucket:
 # ---------------------------------------------------------------------------------------------
 # scale
 
+def _aligned_base(ptrs: np.ndarray) -> int:
+    """The index of a list's base: its first tensor at a 16-byte aligned address (so an offset
+    that is a multiple of the vector width is an aligned address), else its first."""
+    aligned = np.flatnonzero(ptrs % 16 == 0)
+    return int(aligned[0]) if len(aligned) else 0
+
+
+def _align_of(vec: np.ndarray) -> int:
+    """The ALIGN mode of a launch whose chunks (or blocks) can take the 128-bit path where
+    ``vec``: every one (no branch), none, or some (the kernel decides per chunk)."""
+    return ALIGN_ALL if vec.all() else ALIGN_NONE if not vec.any() else ALIGN_CHUNK
+
+
 def scale(chunk_size, noop_flag, tensor_lists, scale_factor) -> bool:
-    """multi_tensor_scale; returns False (nothing done) for dtypes the kernel does not handle."""
+    """multi_tensor_scale; returns False (nothing done) for dtypes the kernel does not handle.
+    One launch per (src, dst) dtype pair, each list read from a base at an aligned address
+    where it has one; a chunk moves in 128-bit vectors when both its tensors are 16-byte
+    aligned and its start a multiple of 16 (ALIGN_CHUNK: decided per chunk in the kernel)."""
     srcs, dsts = tensor_lists
     if not srcs:
         return True
@@ -583,15 +600,16 @@ def scale(chunk_size, noop_flag, tensor_lists, scale_factor) -> bool:
         rows, starts, _ = _chunks([s.numel() for s, _ in pairs], chunk)
         sp = np.asarray([s.data_ptr() for s, _ in pairs], dtype=np.int64)
         dp = np.asarray([d.data_ptr() for _, d in pairs], dtype=np.int64)
-        s0, d0 = pairs[0]
-        host = np.stack([_deltas(sp, s0.data_ptr(), s0.element_size())[rows],
-                         _deltas(dp, d0.data_ptr(), d0.element_size())[rows],
+        si, di = _aligned_base(sp), _aligned_base(dp)
+        s0, d0 = pairs[si][0], pairs[di][1]
+        host = np.stack([_deltas(sp, int(sp[si]), s0.element_size())[rows],
+                         _deltas(dp, int(dp[di]), d0.element_size())[rows],
                          np.asarray([s.numel() for s, _ in pairs], dtype=np.int64)[rows], starts])
-        aligned = (chunk % 16 == 0 and bool(np.all(sp % 16 == 0)) and bool(np.all(dp % 16 == 0)))
+        vec = (sp % 16 == 0)[rows] & (dp % 16 == 0)[rows] & (starts % 16 == 0)
         table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device)
         _launch(_scale_kernel, (len(rows),), device, table, len(rows), chunk, _base_view(s0),
                 _base_view(d0), factor, flag, S_DT=DTYPE_CODE[sdt], D_DT=DTYPE_CODE[ddt],
-                ALIGNED=aligned, BLOCK=BLOCK)
+                ALIGN=_align_of(vec), BLOCK=BLOCK)
     for d, tmp in copy_back:
         d.copy_(tmp)
     return True
@@ -602,11 +620,16 @@ def scale(chunk_size, noop_flag, tensor_lists, scale_factor) -> bool:
 
 class _NormPlan:
     """The tables of one l2norm over a list of tensors (their dtypes, sizes and addresses):
-    fixed NORM_BLOCK blocks per tensor, grouped by dtype, each group read from its first
-    tensor's base. Built once and reused while the tensors stay where they are (a prepared
-    bucket's grads), so a clipped step rebuilds nothing and the launches can be captured."""
+    fixed NORM_BLOCK blocks per tensor, grouped by dtype, each group read from a base at an
+    aligned address where it has one (a block moves in 128-bit vectors when its tensor is
+    16-byte aligned: ALIGN_CHUNK decides per block in the kernel), and the scratch the phases
+    write (the blocks' fp64 sums, the tensors' fp64 sums, their norms when not asked for).
+    Built once and reused while the tensors stay where they are (a prepared bucket's grads),
+    so a clipped step rebuilds and allocates nothing but its results, and the launches can be
+    captured."""
 
-    __slots__ = ("device", "n", "n_blocks", "groups", "rows_t", "first", "counts")
+    __slots__ = ("device", "n", "n_blocks", "groups", "rows_t", "first", "counts", "partial",
+                 "per64", "per32")
 
     def __init__(self, tensors, device: torch.device):
         self.device = device
@@ -620,48 +643,58 @@ class _NormPlan:
         for i, t in enumerate(tensors):
             if t.numel():
                 by_dtype.setdefault(t.dtype, []).append((i, t))
-        # (dtype, the index of the group's base tensor, table, launches, whether every address
-        # is 16-byte aligned relative to the base: then aligned when the base is)
+        # (dtype, the index of the group's base tensor, table, launches, ALIGN mode: for the
+        # addresses the plan was built on, which hold while the base stays aligned)
         self.groups = []
         for dtype, items in by_dtype.items():
             numels = [t.numel() for _, t in items]
             rows, starts, _ = _chunks(numels, NORM_BLOCK)
             ptrs = np.asarray([t.data_ptr() for _, t in items], dtype=np.int64)
-            t0 = items[0][1]
+            b = _aligned_base(ptrs)
+            t0 = items[b][1]
             out = (first[np.asarray([i for i, _ in items], dtype=np.int64)][rows]
                    + starts // NORM_BLOCK)
-            host = np.stack([_deltas(ptrs, t0.data_ptr(), t0.element_size())[rows],
+            host = np.stack([_deltas(ptrs, int(ptrs[b]), t0.element_size())[rows],
                              np.asarray(numels, dtype=np.int64)[rows], starts, out])
             table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device,
                               "l2norm table")
-            self.groups.append((dtype, items[0][0], table, len(rows),
-                                bool(np.all((ptrs - t0.data_ptr()) % 16 == 0))))
+            # (the blocks' starts are multiples of NORM_BLOCK, so of 16)
+            self.groups.append((dtype, items[b][0], table, len(rows),
+                                _align_of((ptrs % 16 == 0)[rows])))
         self.rows_t = None
         if n:
             rows_host = np.stack([first, np.asarray(counts, dtype=np.int64)])
             self.rows_t = to_device(torch.from_numpy(np.ascontiguousarray(rows_host)), None,
                                     device, "l2norm table")
+        # every block's sum is written by its launch, every tensor's by the row sums: no zeroing
+        self.partial = torch.empty(max(self.n_blocks, 1), dtype=torch.float64, device=device)
+        self.per64 = torch.empty(max(n, 1), dtype=torch.float64, device=device)
+        self.per32 = torch.empty(max(n, 1), dtype=torch.float32, device=device)
 
     def buffers(self) -> list:
-        return [g[2] for g in self.groups] + ([self.rows_t] if self.rows_t is not None else [])
+        return ([g[2] for g in self.groups] + ([self.rows_t] if self.rows_t is not None else [])
+                + [self.partial, self.per64, self.per32])
 
     def run(self, tensors, flag: torch.Tensor, per_tensor: bool):
         """(total, per-tensor norms) of ``tensors`` (those the plan was built on, or tensors of
-        the same dtypes and sizes at the same relative addresses)."""
+        the same dtypes and sizes at the same relative addresses): fresh tensors, the scratch
+        is the plan's."""
         device, n = self.device, self.n
-        partial = torch.zeros(max(self.n_blocks, 1), dtype=torch.float64, device=device)
-        for dtype, i0, table, n_rows, rel_aligned in self.groups:
+        for dtype, i0, table, n_rows, align in self.groups:
             base = tensors[i0]
+            # the same relative addresses from a misaligned base: no offset means an aligned
+            # address any more
+            if base.data_ptr() % 16:
+                align = ALIGN_NONE
             _launch(_sumsq_kernel, (n_rows,), device, table, n_rows, _base_view(base),
-                    partial, flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK,
-                    ALIGNED=rel_aligned and base.data_ptr() % 16 == 0, BLOCK=BLOCK)
+                    self.partial, flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK, ALIGN=align,
+                    BLOCK=BLOCK)
         total = torch.zeros((), dtype=torch.float32, device=device)
-        per32 = torch.zeros(n, dtype=torch.float32, device=device)
+        per32 = torch.zeros(n, dtype=torch.float32, device=device) if per_tensor else self.per32
         if n:
-            per64 = torch.empty(n, dtype=torch.float64, device=device)
-            _launch(_rowsum_kernel, (n,), device, partial, self.rows_t, n, per64, per32,
-                    RB=NORM_RBLOCK)
-            _launch(_total_kernel, (1,), device, per64, n, total, RB=NORM_RBLOCK)
+            _launch(_rowsum_kernel, (n,), device, self.partial, self.rows_t, n, self.per64,
+                    per32, RB=NORM_RBLOCK)
+            _launch(_total_kernel, (1,), device, self.per64, n, total, RB=NORM_RBLOCK)
         if not per_tensor:
             per32 = torch.zeros(0, dtype=torch.float32, device=device)
         return total, per32

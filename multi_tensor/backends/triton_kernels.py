@@ -12,10 +12,15 @@ A bucket (or an op call) is cut into chunks of ``chunk_size`` elements per tenso
 have no chunk. Per chunk, an int64 *pointer table* holds one address per list, the tensor's numel
 and the chunk's start offset. The table is column-major (``table[row, chunk]``), so the grads'
 addresses are one contiguous row that can be rewritten alone. An address is stored as an element
-offset from the list's *base pointer* (a tensor of that list passed as a kernel argument): Triton
-then knows the base's 16-byte alignment, and when every address is 16-byte aligned the kernel is
-specialised (``ALIGNED``) to say so, which gives 128-bit loads and stores. Offsets are 64-bit,
-the grid is the number of chunks: one launch per bucket, for any number of tensors.
+offset from the list's *base pointer* (a tensor of that list at a 16-byte aligned address where
+it has one, passed as a kernel argument): Triton then knows the base's 16-byte alignment, so an
+offset that is a multiple of the list's vector width is an aligned address. Every elementwise
+kernel (the Adam family, the non-finite scan, scale, the sum of squares) takes a constexpr
+``ALIGN``: ``ALIGN_ALL`` (the host has checked every address and chunk start: 128-bit loads and
+stores with no branch), ``ALIGN_CHUNK`` (some are aligned: the kernel decides per chunk from the
+table, so one tensor at a misaligned address, such as a grad view into a flat DDP/FSDP buffer,
+costs only its own chunks the vector path) or ``ALIGN_NONE`` (element by element). Offsets are
+64-bit, the grid is the number of chunks: one launch per bucket, for any number of tensors.
 
 Exactness
 ---------
@@ -50,8 +55,8 @@ from .. import rules
 F32, F16, BF16, F64 = 0, 1, 2, 3
 DTYPE_CODE = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16, torch.float64: F64}
 ELEMENT_SIZE = {F32: 4, F16: 2, BF16: 2, F64: 8}
-# alignment modes (the ALIGN constexpr of the Adam kernel and the non-finite scan): no chunk
-# vectorised, the choice made per chunk, every chunk vectorised (no branch)
+# alignment modes (the ALIGN constexpr of the elementwise kernels): no chunk vectorised, the
+# choice made per chunk, every chunk vectorised (no branch)
 ALIGN_NONE, ALIGN_CHUNK, ALIGN_ALL = 0, 1, 2
 
 BLOCK = int(os.environ.get("MULTI_TENSOR_TRITON_BLOCK", "1024"))
@@ -681,92 +686,174 @@ def _scale_rows(src_base, s_d, dst_base, d_d, r8, end, MASKED: tl.constexpr, f, 
 
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
 def _scale_kernel(table, n_chunks, chunk, src_base, dst_base, factor, noop,
-                  S_DT: tl.constexpr, D_DT: tl.constexpr, ALIGNED: tl.constexpr,
+                  S_DT: tl.constexpr, D_DT: tl.constexpr, ALIGN: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """dst = round(opmath(src) * opmath(scale)); opmath is fp64 if either side is fp64."""
+    """dst = round(opmath(src) * opmath(scale)); opmath is fp64 if either side is fp64.
+    ALIGN as _adam_kernel's; a chunk is aligned when both offsets are multiples of their
+    lists' vector widths and the chunk's start a multiple of 16 (tested here, per chunk: the
+    table holds both offsets, so no misalignment row is needed)."""
     IS64: tl.constexpr = S_DT == 3 or D_DT == 3
     MATH: tl.constexpr = tl.float64 if IS64 else tl.float32
     VS: tl.constexpr = 8 if S_DT == 1 or S_DT == 2 else (2 if S_DT == 3 else 4)
     VD: tl.constexpr = 8 if D_DT == 1 or D_DT == 2 else (2 if D_DT == 3 else 4)
+    SS: tl.constexpr = 3 if S_DT == 1 or S_DT == 2 else (1 if S_DT == 3 else 2)
+    SD: tl.constexpr = 3 if D_DT == 1 or D_DT == 2 else (1 if D_DT == 3 else 2)
     pid = tl.program_id(0).to(tl.int64)
     n = n_chunks.to(tl.int64)
     s_d = tl.load(table + pid)
     d_d = tl.load(table + n + pid)
     numel = tl.load(table + 2 * n + pid)
     start = tl.load(table + 3 * n + pid)
-    if ALIGNED:
-        s_d = tl.multiple_of(s_d, VS)
-        d_d = tl.multiple_of(d_d, VD)
-        start = tl.multiple_of(start, 16)
     end = tl.minimum(start + chunk.to(tl.int64), numel)
     f = tl.load(factor).to(MATH)  # the double rounded once (cvt.rn), as torch's scalar
-    ROWS: tl.constexpr = ALIGNED and VS != VD
     base = start
-    if ROWS:  # lists of different widths: rows of 8 per thread, as _adam_rows
-        R: tl.constexpr = BLOCK // 8
-        rows = tl.arange(0, R)[:, None] * 8
-        bad = tl.zeros([R, 4], dtype=tl.int32)
-        while base + BLOCK <= end:  # whole blocks, unmasked
-            bad = _scale_rows(src_base, s_d, dst_base, d_d, tl.multiple_of(base, 16) + rows,
-                              end, False, f, bad, S_DT, D_DT, MATH, R)
-            base += BLOCK
-        if base < end:  # the tail: one masked block
-            bad = _scale_rows(src_base, s_d, dst_base, d_d, base + rows, end, True, f, bad,
-                              S_DT, D_DT, MATH, R)
-        _flag_if(noop, bad, 4)
-    else:
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
-        while base + BLOCK <= end:  # whole blocks, unmasked (128-bit accesses when ALIGNED)
-            if ALIGNED:
-                offs = tl.multiple_of(base, 16) + tl.arange(0, BLOCK)
-            else:
-                offs = base + tl.arange(0, BLOCK)
+    if ALIGN != 0:
+        # whole blocks in 128-bit vectors: ALIGN_ALL, the offsets as the host checked them;
+        # ALIGN_CHUNK, re-derived as multiples (as _adam_vec), so that the alignment the
+        # compiler sees holds by construction, and not carried onto the element loop's values
+        if ALIGN == 2:
+            sv = tl.multiple_of(s_d, VS)
+            dv = tl.multiple_of(d_d, VD)
+            b = tl.multiple_of(start, 16)
+        else:
+            sv = (s_d >> SS) << SS
+            dv = (d_d >> SD) << SD
+            vec = ((s_d & (VS - 1)) == 0) & ((d_d & (VD - 1)) == 0) & ((start & 15) == 0)
+            b = tl.where(vec, (start >> 4) << 4, end)  # not aligned: no whole block here
+        if VS != VD:  # lists of different widths: rows of 8 per thread, as _adam_rows
+            R: tl.constexpr = BLOCK // 8
+            rows = tl.arange(0, R)[:, None] * 8
+            bad = tl.zeros([R, 4], dtype=tl.int32)
+            while b + BLOCK <= end:
+                bad = _scale_rows(src_base, sv, dst_base, dv, tl.multiple_of(b, 16) + rows,
+                                  end, False, f, bad, S_DT, D_DT, MATH, R)
+                b += BLOCK
+            if ALIGN == 2 and b < end:  # the tail: one masked block in the same layout
+                bad = _scale_rows(src_base, sv, dst_base, dv, b + rows, end, True, f, bad,
+                                  S_DT, D_DT, MATH, R)
+            _flag_if(noop, bad, 4)
+        else:
+            bad = tl.zeros([BLOCK], dtype=tl.int32)
+            while b + BLOCK <= end:
+                offs = tl.multiple_of(b, 16) + tl.arange(0, BLOCK)
+                bad = _scale_block(src_base, sv, dst_base, dv, offs, None, f, bad, S_DT, D_DT,
+                                   MATH)
+                b += BLOCK
+            if ALIGN == 2 and b < end:  # the tail: one masked block in the same layout
+                offs = b + tl.arange(0, BLOCK)
+                bad = _scale_block(src_base, sv, dst_base, dv, offs, offs < end, f, bad, S_DT,
+                                   D_DT, MATH)
+            _flag_if(noop, bad, VS)
+        if ALIGN == 1:
+            b = tl.where(vec, b, start)
+        base = b
+    if ALIGN != 2:
+        # the rest element by element: whole blocks unmasked, then one masked block; beside
+        # the vector loop, in half blocks (blocks of one size would share the flag's zeros and
+        # their ranges, merged as equal values, and with them the vector layout, converted
+        # through shared memory)
+        RB: tl.constexpr = BLOCK // 2 if ALIGN == 1 else BLOCK
+        bad = tl.zeros([RB], dtype=tl.int32)
+        while base + RB <= end:
+            offs = base + tl.arange(0, RB)
             bad = _scale_block(src_base, s_d, dst_base, d_d, offs, None, f, bad, S_DT, D_DT,
                                MATH)
-            base += BLOCK
-        if base < end:  # the tail: one masked block
-            offs = base + tl.arange(0, BLOCK)
+            base += RB
+        if base < end:
+            offs = base + tl.arange(0, RB)
             bad = _scale_block(src_base, s_d, dst_base, d_d, offs, offs < end, f, bad, S_DT,
                                D_DT, MATH)
-        _flag_if(noop, bad, VS if ALIGNED else 1)
+        _flag_if(noop, bad, 1)
+
+
+@triton.jit
+def _sumsq_lanes(base, d, offs, mask, acc, bad, DT: tl.constexpr):
+    """acc += x * x lane by lane (fp64), bad |= x is not finite."""
+    x = _ld(base, d, offs, mask, DT, tl.float64)
+    acc = acc + x * x
+    f = x - x  # NaN exactly where x is inf or NaN
+    bad = bad | (f != f).to(tl.int32)
+    return acc, bad
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _sumsq_kernel(table, n_blocks, base, partial, noop, DT: tl.constexpr, NB: tl.constexpr,
-                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """l2norm phase 1: the fp64 sum of squares of one fixed block of NB elements."""
+                  ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """l2norm phase 1: the fp64 sum of squares of one fixed block of NB elements. ALIGN as
+    _adam_kernel's; a block is aligned when its tensor's offset is a multiple of the vector
+    width (its start is a multiple of NB, so of 16), tested here, per block.
+
+    Both paths add the same lanes in the same order: BLOCK lanes, lane j adding the squares of
+    elements start + j, start + j + BLOCK, ... in that order, then the lanes summed by tl.sum
+    (whose tree on a GPU follows the path's layout: each path's is that of its ALIGN_ALL or
+    ALIGN_NONE variant). So a block runs wholly in one path (the vector path takes its tail
+    too, in its own layout), and the
+    element-by-element path beside the vector one runs the same lanes as [2, BLOCK // 2]
+    (lane (h, j) is lane h * BLOCK // 2 + j): blocks of one shape would share the zeros and
+    ranges, merged as equal values, and with them the vector layout, converted through shared
+    memory at every load."""
     V: tl.constexpr = 8 if DT == 1 or DT == 2 else (2 if DT == 3 else 4)
+    S: tl.constexpr = 3 if DT == 1 or DT == 2 else (1 if DT == 3 else 2)
+    tl.static_assert(NB % 16 == 0)
     pid = tl.program_id(0).to(tl.int64)
     n = n_blocks.to(tl.int64)
     d = tl.load(table + pid)
     numel = tl.load(table + n + pid)
     start = tl.load(table + 2 * n + pid)
     out = tl.load(table + 3 * n + pid)
-    if ALIGNED:
-        d = tl.multiple_of(d, V)
-        start = tl.multiple_of(start, 16)
     end = tl.minimum(start + NB, numel)
-    acc = tl.zeros([BLOCK], dtype=tl.float64)
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
-    b = start
-    while b + BLOCK <= end:  # whole blocks, unmasked (128-bit loads when ALIGNED)
-        if ALIGNED:
-            offs = tl.multiple_of(b, 16) + tl.arange(0, BLOCK)
+    if ALIGN != 0:
+        # 128-bit loads: ALIGN_ALL, the offset as the host checked it; ALIGN_CHUNK, re-derived
+        # as a multiple (as _adam_vec). (start: a multiple of NB, so of 16)
+        b = tl.multiple_of(start, 16)
+        e = end
+        if ALIGN == 2:
+            dv = tl.multiple_of(d, V)
         else:
+            dv = (d >> S) << S
+            vec = (d & (V - 1)) == 0
+            e = tl.where(vec, end, start)  # not aligned: nothing here
+        acc = tl.zeros([BLOCK], dtype=tl.float64)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        while b + BLOCK <= e:  # whole blocks, unmasked
+            acc, bad = _sumsq_lanes(base, dv, tl.multiple_of(b, 16) + tl.arange(0, BLOCK),
+                                    None, acc, bad, DT)
+            b += BLOCK
+        if b < e:  # the tail: one masked block in the same layout
             offs = b + tl.arange(0, BLOCK)
-        x = _ld(base, d, offs, None, DT, tl.float64)
-        acc = acc + x * x
-        f = x - x
-        bad = bad | (f != f).to(tl.int32)
-        b += BLOCK
-    if b < end:  # the tail: one masked block (each lane adds its elements in the same order)
-        offs = b + tl.arange(0, BLOCK)
-        x = _ld(base, d, offs, offs < end, DT, tl.float64)
-        acc = acc + x * x
-        f = x - x
-        bad = bad | (f != f).to(tl.int32)
-    tl.store(partial + out, tl.sum(acc, axis=0))
-    _flag_if(noop, bad, V if ALIGNED else 1)
+            acc, bad = _sumsq_lanes(base, dv, offs, offs < e, acc, bad, DT)
+        total = tl.sum(acc, axis=0)
+        _flag_if(noop, bad, V)
+    if ALIGN != 2:
+        # element by element (beside the vector path: the blocks it did not take)
+        b = start
+        e = end
+        if ALIGN == 1:
+            e = tl.where(vec, start, end)
+            H: tl.constexpr = BLOCK // 2
+            lanes = tl.arange(0, 2)[:, None] * H + tl.arange(0, H)[None, :]
+            acc2 = tl.zeros([2, H], dtype=tl.float64)
+            bad2 = tl.zeros([2, H], dtype=tl.int32)
+            while b + BLOCK <= e:  # whole blocks, unmasked
+                acc2, bad2 = _sumsq_lanes(base, d, b + lanes, None, acc2, bad2, DT)
+                b += BLOCK
+            if b < e:  # the tail: one masked block
+                offs = b + lanes
+                acc2, bad2 = _sumsq_lanes(base, d, offs, offs < e, acc2, bad2, DT)
+            total = tl.where(vec, total, tl.sum(tl.reshape(acc2, [BLOCK]), axis=0))
+            _flag_if(noop, tl.reshape(bad2, [BLOCK]), 1)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float64)
+            bad = tl.zeros([BLOCK], dtype=tl.int32)
+            while b + BLOCK <= e:  # whole blocks, unmasked
+                acc, bad = _sumsq_lanes(base, d, b + tl.arange(0, BLOCK), None, acc, bad, DT)
+                b += BLOCK
+            if b < e:  # the tail: one masked block
+                offs = b + tl.arange(0, BLOCK)
+                acc, bad = _sumsq_lanes(base, d, offs, offs < e, acc, bad, DT)
+            total = tl.sum(acc, axis=0)
+            _flag_if(noop, bad, 1)
+    tl.store(partial + out, total)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
