@@ -34,9 +34,8 @@ tensors are on the device syncs once (the first call, or after anyone writes a s
 then not at all; step tensors on the CPU are read there (no device sync), and ``found_inf`` or a
 tensor ``lr`` on the device are then read with a sync.
 
-The lists are the optimizer's own state, so the cached bucket is bound as an eager step binds
-its plan (:func:`multi_tensor.plan.bound` with ``owned=True``): the grads by identity and
-address, the params' addresses at every call, every state tensor's address when the grads move.
+The cached bucket is bound as an eager step binds its plan (:func:`multi_tensor.plan.bound`):
+the grads by identity and address, the params' and every state tensor's address at every call.
 """
 from __future__ import annotations
 
@@ -111,7 +110,7 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
             run_lists = run_lists.take(rows)
         # checked when the step was compiled (compiled.init_group); the prepared bucket is
         # reused across steps (multi_tensor.plan's cache)
-        bucket = plan.bound(run_spec, run_lists, chunk_size, owned=True)
+        bucket = plan.bound(run_spec, run_lists, chunk_size)
         plan.run_adam(run_spec, run_lists, hyper, t, _noop_flag(device), scale,
                       chunk_size=chunk_size, checked=True, bucket=bucket)
     torch._foreach_add_(steps, 1.0)
@@ -159,7 +158,7 @@ def _device_step(spec, lists, steps, lr, lr_tensor, beta1, beta2, eps, weight_de
     kernel, one on the CPU on the host (no device sync). False (nothing done) when the bucket
     keeps its steps on the host."""
     device = lists.params[0].device
-    bucket = plan.bound(spec, lists, chunk_size, owned=True)
+    bucket = plan.bound(spec, lists, chunk_size)
     if not hasattr(bucket, "run_device_step"):
         return False
     flag = _noop_flag(device)

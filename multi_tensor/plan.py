@@ -84,13 +84,9 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
     state tensors. ``once``: the caller's tensors must stay where they are (see
     :meth:`Backend.prepare_bucket`)."""
     key, bucket = _cached(backend, spec, lists, chunk_size, once)
-    if bucket is not None and hasattr(bucket, "bind_unchanged") and bucket.bind_unchanged(
-            lists.grads):
-        return bucket  # the steady state: one pass over the addresses, nothing rebuilt
-    # (a cached bucket's every state tensor must still be where it was bound: the caller's
-    # lists are new each call, and bind itself checks the state only when the grads move)
-    if (bucket is None or (hasattr(bucket, "state_moved") and bucket.state_moved())
-            or not bucket.bind(lists.grads)):
+    # the steady state: the cached bucket binds (its state where it was bound, the grads fit),
+    # nothing rebuilt
+    if bucket is None or not bucket.bind(lists.grads):
         bucket = backend.prepare_bucket(spec.name, lists.state(), chunk_size, once)
         if not bucket.bind(lists.grads):
             raise RuntimeError(f"{backend.name}: {spec.name}: lists that passed the op check "
@@ -131,25 +127,15 @@ def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, onc
     return bucket if bucket.bind_unchanged(lists.grads) else None
 
 
-def bound(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True,
-          owned: bool = False):
+def bound(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True):
     """The prepared bucket of checked ``lists`` (with rows), grads bound: the cached one when
-    its tensors are unchanged (found without a pass over every tensor's storage kind), else one
-    from :func:`prepared` on the backend that runs them.
-
-    ``owned``: the state belongs to an optimizer (the compiled step's op), which replaces its
-    state tensors rather than re-pointing them: the cached bucket is then bound as an eager
-    step binds its buckets (the params' addresses at every call, the state's when the grads
-    move), not with a pass over every state tensor's address (:func:`unchanged`)."""
-    if owned:
-        backend = _device_backend(spec, lists)
-        if backend is not None:
-            _, bucket = _cached(backend, spec, lists, chunk_size, once)
-            if bucket is not None and bucket.bind(lists.grads):
-                return bucket
-    else:
-        bucket = unchanged(spec, lists, chunk_size, once)
-        if bucket is not None:
+    it binds them (its bind checks that the params and state are where it bound them and that
+    the grads fit), found on the params' device's backend without a pass over every tensor's
+    storage kind; else one from :func:`prepared` on the backend that runs them."""
+    backend = _device_backend(spec, lists)
+    if backend is not None:
+        _, bucket = _cached(backend, spec, lists, chunk_size, once)
+        if bucket is not None and bucket.bind(lists.grads):
             return bucket
     return prepared(spec, lists, schema.backend_for_lists(spec, lists.present()), chunk_size,
                     once)

@@ -653,10 +653,9 @@ for _cls in ("FusedEmaAdamW", "FusedAdamW", "FusedAdam"):
 
 @case("bind-refuses-moved-param-or-state")
 def _bind_moved():
-    """``p.data = new`` (same shape, new storage): bind refuses at once; ``state.data = new``:
-    bind refuses when the grads are bound afresh (new grad tensors, as after
-    ``zero_grad(set_to_none=True)``); a new bucket then runs on the new storage, and the
-    storage the tensor left is not written."""
+    """``p.data = new`` or ``state.data = new`` (same shape, new storage): bind refuses at
+    once, with the same grads or new ones (as after ``zero_grad(set_to_none=True)``); a new
+    bucket then runs on the new storage, and the storage the tensor left is not written."""
     k = _k()
     op = "fused_ema_adamw"
     h = _hyper(op)
@@ -672,8 +671,7 @@ def _bind_moved():
         left = moved.data  # the storage the tensor leaves
         left_bits = bits(left).clone()
         moved.data = moved.data.clone()  # the same object, new storage
-        if what == "param":
-            assert not bucket.bind(lists[0]), "bound after the param's storage moved"
+        assert not bucket.bind(lists[0]), f"bound after the {what}'s storage moved"
         lists[0] = [g.clone() for g in lists[0]]
         want[0] = [g.clone() for g in want[0]]
         assert not bucket.bind(lists[0]), f"bound afresh after the {what}'s storage moved"

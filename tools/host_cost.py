@@ -9,9 +9,8 @@ alone (the tensors' values do not change). Steady state: the same params, grads 
 every call. Rows (the best of 5 medians of ``--iters`` calls, in ms):
 
 * ``eager``: ``FusedEmaAdamW.step()`` (fp32, device steps), and its bucket's bind, of which the
-  check that the params are still at the addresses bound (one ``data_ptr`` each); and, for
-  comparison, the check of every state tensor's address (4 per param here), which a bind
-  makes only when the grads move, and the op path at every call;
+  check that the params and every state tensor (5 per param here) are still at the addresses
+  bound (one native pass, :mod:`multi_tensor.tensor_facts`), made at every bind;
 * ``eager moved grads``: the same with new grad tensors at every step (what every step after
   ``zero_grad(set_to_none=True)``, torch's default, binds: the ``_bind_slow`` path, the grads'
   row of the table rewritten), of which the harness's own ``p.grad = g`` assignments;
@@ -138,11 +137,9 @@ def main(argv=None) -> int:
         params, opt = optimizer()
         rows.append(("eager", timed(opt.step, args.iters)))
         eager = next(iter(opt._plans.values())).buckets[0].prepared
-        rows.append(("  of which: bind (grads, params' addresses)",
+        rows.append(("  of which: bind (grads, state addresses)",
                      timed(lambda: eager.bind(eager._g_objs), args.iters)))
-        rows.append(("  of which: params' addresses",
-                     timed(lambda: eager.state_moved(full=False), args.iters)))
-        rows.append(("  (not per step: every state address)",
+        rows.append(("  of which: every state tensor's address",
                      timed(eager.state_moved, args.iters)))
         grads = [[torch.randn(p.shape) for p in params] for _ in range(2)]
 

@@ -143,12 +143,11 @@ class AdamBucket:
     ``bind(grads)`` checks the grads cheaply (the same objects as last time, compared by
     identity at C speed, at the same addresses: one pass over ``data_ptr``, which also sees a
     grad re-pointed in place by ``g.data = new``; else count, dtype, shape, device, layout) and
-    rewrites the grads' row of the pointer table only when an address changed. It also checks
-    that the params (at every bind) and the state tensors (when the grads are bound afresh:
-    :meth:`state_moved`) still have the addresses the table holds (``p.data = new``,
-    ``state.data = new`` move them): if not it refuses, and the caller prepares a new bucket
-    (the optimizers re-plan). The bucket keeps the storage it bound alive, so the kernel never
-    writes to freed memory.
+    rewrites the grads' row of the pointer table only when an address changed. It also checks,
+    at every bind, that the params and the state tensors still have the addresses the table
+    holds (:meth:`state_moved`; ``p.data = new``, ``state.data = new`` move them): if not it
+    refuses, and the caller prepares a new bucket (the optimizers re-plan). The bucket keeps
+    the storage it bound alive, so the kernel never writes to freed memory.
     ``run`` launches one kernel.
 
     CUDA graphs: a launch made while the current stream is capturing marks the bucket captured
@@ -255,7 +254,6 @@ class AdamBucket:
         self._s_objs = [t for tensors in self.state_lists for t in tensors]
         self._s_addr = tensor_facts.addresses(self._s_objs)
         self._params = params
-        self._p_addr = tensor_facts.addresses(params)
         self._shapes = tensor_facts.describe(params).shapes if params else b""
         self._all_rows_contiguous = all(self._row_contiguous)
         # their storage as bound, kept alive: no other tensor can take these addresses, so an
@@ -345,18 +343,12 @@ class AdamBucket:
             if t is not None:
                 t.record_stream(stream)
 
-    def state_moved(self, full: bool = True) -> bool:
-        """Whether a param (``full``: or a state tensor) no longer has the address the table
-        holds. The params are checked at every bind (one ``data_ptr`` each, as the grads); the
-        state tensors (which the optimizer owns) when the grads are bound afresh, since one
-        ``data_ptr`` per state tensor at every step would cost several times the whole bind.
-        A state tensor moved in between is updated at the storage it left, which the bucket
-        keeps alive (no write to freed memory), until that check sees it."""
-        if full:
-            now = tensor_facts.addresses(self._s_objs)
-            return now is None or now != self._s_addr
-        now = tensor_facts.addresses(self._params)
-        return now is None or now != self._p_addr
+    def state_moved(self) -> bool:
+        """Whether a param or a state tensor no longer has the address the table holds: one
+        native pass over their addresses (:func:`multi_tensor.tensor_facts.addresses`), at
+        every bind."""
+        now = tensor_facts.addresses(self._s_objs)
+        return now is None or now != self._s_addr
 
     def _same_grads(self, grads) -> bool:
         """The grads last bound: the same objects (compared by identity, at C speed: no tensor
@@ -377,11 +369,11 @@ class AdamBucket:
         return True
 
     def bind(self, grads) -> bool:
-        """Take this step's grads. The steady state (the grads last bound, the params where
-        they were) costs one identity pass over the grads and one ``data_ptr`` per param and
-        per grad; anything else goes through :meth:`_bind_slow`."""
+        """Take this step's grads. The steady state (the grads last bound, the params and state
+        where they were) costs one identity pass over the grads and one native pass over the
+        grads' and the state's addresses; anything else goes through :meth:`_bind_slow`."""
         self._grads = None
-        if self._same_grads(grads) and not self.state_moved(full=False):
+        if self._same_grads(grads) and not self.state_moved():
             self._grads = self._g_objs
             return True
         if len(grads) != self.n:
