@@ -181,12 +181,13 @@ class EmaBufferMixin:
                     return
             else:  # decided on the device, without a host sync
                 skip = (found_inf != 0).any()
-        if getattr(self, "max_grad_norm", None) is not None:
-            # a non-finite grad norm skips the step after its decays were taken; the step has
-            # read the norm on the host already, so reading it again costs no extra wait
-            norm = getattr(self, "last_grad_norm", None)
-            if isinstance(norm, torch.Tensor) and not bool(torch.isfinite(norm).all()):
-                return
+        norm = getattr(self, "last_grad_norm", None)
+        if getattr(self, "max_grad_norm", None) is not None and isinstance(norm, torch.Tensor):
+            # a non-finite grad norm skips the step after its decays were taken; it joins the
+            # skip where the norm lives (no sync: the step itself may have decided on the
+            # device, and the buffers are small)
+            bad = torch.isfinite(norm).all().logical_not()
+            skip = bad if skip is None else skip.logical_or(bad.to(skip.device))
         self._lerp_ema_buffers(decay, skip)
 
     @torch.no_grad()

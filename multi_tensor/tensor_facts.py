@@ -8,7 +8,8 @@ for thousands of tensors; the native extension (``csrc/cpu/tensor_facts.cpp``) d
 few ns per tensor. Without the extension the pure-Python twins below give the same results.
 
 * :func:`addresses`: each tensor's ``data_ptr`` as native int64 bytes (equal bytes: the same
-  addresses), or None when an item is not a strided tensor with an address;
+  addresses), or None when an item is not a strided tensor with an address (a nonempty tensor
+  at address 0, as meta tensors and wrapper subclasses like DTensor report, has none);
 * :func:`describe`: :class:`Facts` (addresses, shapes, the one dtype and device or None,
   per-item contiguity), or None likewise;
 * :func:`versions`: each tensor's version counter as native int64 bytes, or None.
@@ -30,16 +31,21 @@ class Facts(NamedTuple):
 
 
 def _address(t) -> Optional[int]:
+    """``t.data_ptr()``, or None: not a strided tensor, no storage (a traced or wrapper tensor:
+    data_ptr raises), or a null address for a nonempty tensor (meta tensors, and wrapper
+    subclasses such as DTensor and FakeTensor, whose storage holds no data)."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return None
     try:
-        return t.data_ptr()
-    except (RuntimeError, TypeError):  # no storage (a traced or wrapper tensor)
+        address = t.data_ptr()
+    except (RuntimeError, TypeError):
         return None
+    return None if address == 0 and t.numel() else address
 
 
 def py_addresses(tensors: Sequence) -> Optional[bytes]:
     """:func:`addresses` in Python (for builds without the extension, and to test it)."""
+    tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
     ptrs = list(map(_address, tensors))
     if None in ptrs:
         return None
@@ -48,6 +54,7 @@ def py_addresses(tensors: Sequence) -> Optional[bytes]:
 
 def py_describe(tensors: Sequence) -> Optional[Facts]:
     """:func:`describe` in Python (for builds without the extension, and to test it)."""
+    tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
     ptrs = py_addresses(tensors)
     if ptrs is None:
         return None
@@ -68,6 +75,7 @@ def py_describe(tensors: Sequence) -> Optional[Facts]:
 
 def py_versions(tensors: Sequence) -> Optional[bytes]:
     """:func:`versions` in Python (for builds without the extension, and to test it)."""
+    tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
     try:

@@ -32,7 +32,15 @@ def _cases():
         "a non-tensor": [torch.randn(2), 3.0],
         "None": [torch.randn(2), None],
         "sparse": [torch.randn(3).to_sparse()],
+        "fake": _fake(),
+        "copy-on-write": [torch._lazy_clone(base), base],
     }
+
+
+def _fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return [torch.empty(5), torch.empty(2, 3)]
 
 
 CASES = _cases()
@@ -62,9 +70,13 @@ def test_facts_say_what_a_bind_needs():
     versions = tensor_facts.versions([a, b])
     a.add_(1)
     assert tensor_facts.versions([a, b]) != versions
-    # what a bind must refuse gives None, never a partial answer
-    for bad in ([a, None], [a, a.to_sparse()], [a, "x"]):
+    # what a bind must refuse gives None, never a partial answer: a nonempty tensor without
+    # data (meta, fake; DTensor's wrapper reports address 0 as well) has no address
+    fake = _fake()
+    for bad in ([a, None], [a, a.to_sparse()], [a, "x"], [a, torch.empty(3, device="meta")],
+                [a] + fake):
         assert tensor_facts.describe(bad) is None and tensor_facts.addresses(bad) is None
+    assert tensor_facts.addresses([torch.empty(0, device="meta")]) is not None
     with torch.inference_mode():
         assert tensor_facts.versions([torch.randn(2)]) is None
 
@@ -76,6 +88,9 @@ def test_non_sequences_are_refused_with_a_clear_error():
     # the Python wrappers take any iterable (as the Python twins do)
     a = torch.randn(2)
     assert tensor_facts.addresses(iter([a])) == tensor_facts.py_addresses([a])
+    # and so do the twins, in one pass
+    assert tensor_facts.py_describe(iter([a])) == tensor_facts.describe([a])
+    assert tensor_facts.py_versions(iter([a])) == tensor_facts.versions([a])
 
 
 def test_packed_shapes_compare_with_described_ones():

@@ -1089,6 +1089,21 @@ def _new_grads_python():
         _new_grads_every_step()
 
 
+@case("bind-refuses-grads-without-data")
+def _bind_refuses_storageless():
+    """Grads without data (FakeTensor; DTensor's wrapper reports address 0 alike) never bind a
+    triton bucket: the op path sends them to the backend that runs them (the reference)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    k = _k()
+    op = "fused_ema_adamw"
+    lists = make_lists(op, "fp32", SMALL)
+    bucket = k.AdamBucket(op, named_lists(op, lists).state(), 64)
+    assert bucket.bind(lists[0])
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = [torch.empty(g.shape) for g in lists[0]]
+    assert not bucket.bind(fake), "grads without data were bound"
+
+
 @case("op-path-sees-every-change")
 def _op_path_changes():
     """The apex op on the same list objects: a param re-pointed (``p.data = new``), a grad

@@ -23,12 +23,17 @@ PyObject* checked_sequence(py::handle obj) {
   return seq;
 }
 
-// The address of a strided tensor's first element, or nullopt where it has none to give (a
-// sparse tensor, a FakeTensor or functional wrapper while tracing, a wrapper subclass).
+// The address of a strided tensor's first element, as Python's data_ptr() gives it (the
+// mutable pointer: a copy-on-write tensor is materialised first, so the address is the one a
+// kernel writes through), or nullopt where it has none to give: a sparse tensor, a data_ptr()
+// that throws (functional or throw-on-mutable tensors), or a null address for a nonempty
+// tensor (meta tensors, and the storage of wrapper subclasses such as DTensor and FakeTensor).
 std::optional<int64_t> address_of(const at::Tensor& t) {
   if (t.layout() != c10::kStrided || !t.has_storage()) return std::nullopt;
   try {
-    return reinterpret_cast<int64_t>(t.const_data_ptr());
+    const auto address = reinterpret_cast<int64_t>(t.data_ptr());
+    if (address == 0 && t.numel() != 0) return std::nullopt;
+    return address;
   } catch (const c10::Error&) {
     return std::nullopt;
   }
