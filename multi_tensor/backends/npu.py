@@ -416,7 +416,8 @@ class FlatAdamBucket:
         factor from fused_optim/clipping.py), else None: reading it is no device sync."""
         if grad_scale is None or grad_scale.device.type != "cpu" or self.device.type == "cpu":
             return None
-        return float(grad_scale.reshape(()).item())
+        # in the math dtype first, as the device path's ``.to(dtype=dt)`` rounds it
+        return float(grad_scale.reshape(()).to(self.math_dtype).item())
 
     def _grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.work_dtype if flat.converts_exactly(dtype, self.work_dtype) else dtype
@@ -510,6 +511,8 @@ class FlatAdamBucket:
             exp_avg_sqs=[self.exp_avg_sq.flat],
             emas=[self.ema_list.flat] if self.ema else None)
         total = self.layout.total
+        if grad_scale is not None and grad_scale.device != self.device:
+            grad_scale = grad_scale.to(self.device)  # once, not once per slice
         sqrt, div = _sqrt_div()
         for start in range(0, total, TORCH_PATH_SLICE):
             n = min(TORCH_PATH_SLICE, total - start)
