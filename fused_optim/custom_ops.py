@@ -40,7 +40,6 @@ the grads by identity and address, the params' and every state tensor's address 
 from __future__ import annotations
 
 import collections
-import operator
 from typing import List, Optional
 
 import torch
@@ -146,7 +145,7 @@ def _known_uniform(steps) -> bool:
         return False
     held, versions = entry
     now = _versions(steps)
-    return all(map(operator.is_, steps, held)) and now is not None and now == versions
+    return tensor_facts.same_objects(steps, held) and now is not None and now == versions
 
 
 def _device_step(spec, lists, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, decoupled,

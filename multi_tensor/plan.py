@@ -25,13 +25,12 @@ lets them go.
 from __future__ import annotations
 
 import collections
-import operator
 import threading
 from typing import Hashable, Optional
 
 import torch
 
-from . import rules, schema
+from . import rules, schema, tensor_facts
 
 CACHE_SIZE = 16
 
@@ -73,7 +72,7 @@ def _cached(backend, spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: i
     bucket, held = entry
     state = _state_of(lists)
     if len(state) != len(held) or not all(
-            len(a) == len(b) and all(map(operator.is_, a, b)) for a, b in zip(state, held)):
+            tensor_facts.same_objects(a, b) for a, b in zip(state, held)):
         return key, None
     return key, bucket
 

@@ -12,10 +12,12 @@ few ns per tensor. Without the extension the pure-Python twins below give the sa
   at address 0, as meta tensors and wrapper subclasses like DTensor report, has none);
 * :func:`describe`: :class:`Facts` (addresses, shapes, the one dtype and device or None,
   per-item contiguity), or None likewise;
-* :func:`versions`: each tensor's version counter as native int64 bytes, or None.
+* :func:`versions`: each tensor's version counter as native int64 bytes, or None;
+* :func:`same_objects`: whether two lists hold the very same objects (identity).
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -100,7 +102,7 @@ def _mod():
     if _NATIVE is _UNSET:
         from .backends import native_cpu
         mod = native_cpu.loaded_module
-        _NATIVE = mod if mod is not None and hasattr(mod, "versions") else None
+        _NATIVE = mod if mod is not None and hasattr(mod, "same_objects") else None
     return _NATIVE
 
 
@@ -128,6 +130,20 @@ def versions(tensors: Sequence) -> Optional[bytes]:
     if mod is None:
         return py_versions(tensors)
     return mod.versions(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
+
+
+def same_objects(a: Sequence, b: Sequence) -> bool:
+    """Whether ``a`` and ``b`` hold the very same objects in order (identity, never ``==``)."""
+    mod = _mod()
+    if mod is None or not isinstance(a, (list, tuple)) or not isinstance(b, (list, tuple)):
+        return py_same_objects(a, b)
+    return mod.same_objects(a, b)
+
+
+def py_same_objects(a: Sequence, b: Sequence) -> bool:
+    """:func:`same_objects` in Python."""
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def as_array(packed: bytes) -> np.ndarray:

@@ -99,3 +99,13 @@ def test_packed_shapes_compare_with_described_ones():
     assert packed == tensor_facts.describe(tensors).shapes == tensor_facts.py_describe(
         tensors).shapes
     assert tensor_facts.pack_shapes([]) == tensor_facts.describe([]).shapes == b""
+
+
+def test_same_objects_is_identity_never_equality():
+    a, b = torch.ones(3), torch.ones(3)
+    cases = [([a, b], [a, b], True), ([a, b], [a, b.clone()], False), ([a], [a, b], False),
+             ([], [], True), ((a, b), [a, b], True), ([a, None], [a, None], True)]
+    for x, y, want in cases:
+        assert tensor_facts.same_objects(x, y) is want, (x, y)
+        assert tensor_facts.py_same_objects(x, y) is want, (x, y)
+    assert tensor_facts.same_objects(iter([a]), [a])

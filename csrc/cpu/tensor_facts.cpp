@@ -122,6 +122,20 @@ py::object versions(py::handle obj) {
   return py::bytes(out);
 }
 
+// same_objects(a, b) -> bool: the two lists hold the very same objects, in order (identity;
+// nothing is compared by value).
+bool same_objects(py::handle a, py::handle b) {
+  PyObject* x = checked_sequence(a);
+  PyObject* y = checked_sequence(b);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
+  if (n != PySequence_Fast_GET_SIZE(y)) return false;
+  PyObject** xs = PySequence_Fast_ITEMS(x);
+  PyObject** ys = PySequence_Fast_ITEMS(y);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (xs[i] != ys[i]) return false;
+  return true;
+}
+
 }  // namespace
 
 void bind_tensor_facts(py::module_& m) {
@@ -129,6 +143,8 @@ void bind_tensor_facts(py::module_& m) {
         "Each tensor's data_ptr as native int64 bytes, or None when an item has no address.");
   m.def("describe", &describe, py::arg("tensors"),
         "(addresses, shapes, dtype, device, contiguous) of a list of strided tensors, or None.");
+  m.def("same_objects", &same_objects, py::arg("a"), py::arg("b"),
+        "Whether two lists hold the very same objects, in order (by identity).");
   m.def("versions", &versions, py::arg("tensors"),
         "Each tensor's version counter as native int64 bytes, or None when one keeps none.");
 }

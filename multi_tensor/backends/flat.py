@@ -66,7 +66,6 @@ Costs, documented where users meet them (docs/npu.md):
 from __future__ import annotations
 
 import functools
-import operator
 import threading
 import weakref
 from dataclasses import dataclass
@@ -74,6 +73,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import tensor_facts
 
 try:  # a weak reference to a storage, that knows when the storage is gone
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -478,7 +479,7 @@ class FlatGrads:
 
     def serves(self, grads: Sequence[torch.Tensor]) -> bool:
         """Whether ``grads`` are exactly this buffer's views (identity, no tensor is read)."""
-        return len(grads) == len(self.views) and all(map(operator.is_, grads, self.views))
+        return tensor_facts.same_objects(grads, self.views)
 
     def take(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """The buffer, holding ``grads`` (of its dtype): grads that are not its views (a

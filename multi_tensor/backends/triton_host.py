@@ -9,7 +9,6 @@ Imported only through :mod:`multi_tensor.backends.triton_gpu` (it imports triton
 """
 from __future__ import annotations
 
-import operator
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -354,7 +353,7 @@ class AdamBucket:
         """The grads last bound: the same objects (compared by identity, at C speed: no tensor
         is compared by value) at the same addresses."""
         objs = self._g_objs
-        if objs is None or len(grads) != self.n or not all(map(operator.is_, grads, objs)):
+        if objs is None or not tensor_facts.same_objects(grads, objs):
             return False
         return tensor_facts.addresses(grads) == self._g_addr  # (the same objects: tensors)
 
