@@ -94,6 +94,7 @@ class ClippingMixin:
         return False, div(torch.ones_like(norm) if scale is None else scale, clip), skip_flag
 
     def _norm_backend(self, bucket):
+        """The backend that computes ``bucket``'s grad norm (the grads' storage kind decides)."""
         return registry.backend_for(
             "l2norm", bucket.device,
             tensor_subclasses=validation.storageless([bucket.grads], ("grads",)) is not None)
@@ -174,10 +175,7 @@ class ClippingMixin:
             own = getattr(bucket.active, "grad_norm", None)
             total = None if own is None else own(flag)
             if total is None:
-                backend = registry.backend_for(
-                    "l2norm", bucket.device,
-                    tensor_subclasses=validation.storageless([bucket.grads],
-                                                             ("grads",)) is not None)
+                backend = self._norm_backend(bucket)
                 total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
                 fp64 = fp64 and backend.fp64
             totals.append((total, bucket.layout))

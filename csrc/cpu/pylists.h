@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace multi_tensor_cpu {
@@ -15,16 +16,24 @@ inline namespace CPU_CAPABILITY {
 
 namespace py = pybind11;
 
-// The at::Tensor behind each item of a list or tuple (nullptr for an item that is not a tensor).
-inline std::vector<const at::Tensor*> unpack_tensors(py::handle obj) {
+// The items of a list or tuple (borrowed: valid while it is alive) and their count.
+inline std::pair<PyObject**, Py_ssize_t> sequence_items(py::handle obj) {
   PyObject* seq = obj.ptr();
   TORCH_CHECK_TYPE(PyList_Check(seq) || PyTuple_Check(seq), "expected a list of tensors, got ",
                    Py_TYPE(seq)->tp_name);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  return {PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq)};
+}
+
+// The at::Tensor behind a Python object, or nullptr for one that is not a tensor.
+inline const at::Tensor* tensor_or_null(PyObject* item) {
+  return THPVariable_Check(item) ? &THPVariable_Unpack(item) : nullptr;
+}
+
+// The at::Tensor behind each item of a list or tuple (nullptr for an item that is not a tensor).
+inline std::vector<const at::Tensor*> unpack_tensors(py::handle obj) {
+  const auto [items, n] = sequence_items(obj);
   std::vector<const at::Tensor*> out(n);
-  for (Py_ssize_t i = 0; i < n; ++i)
-    out[i] = THPVariable_Check(items[i]) ? &THPVariable_Unpack(items[i]) : nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) out[i] = tensor_or_null(items[i]);
   return out;
 }
 

@@ -16,13 +16,6 @@ inline namespace CPU_CAPABILITY {
 
 namespace {
 
-PyObject* checked_sequence(py::handle obj) {
-  PyObject* seq = obj.ptr();
-  TORCH_CHECK_TYPE(PyList_Check(seq) || PyTuple_Check(seq), "expected a list of tensors, got ",
-                   Py_TYPE(seq)->tp_name);
-  return seq;
-}
-
 // The address of a strided tensor's first element, as Python's data_ptr() gives it (the
 // mutable pointer: a copy-on-write tensor is materialised first, so the address is the one a
 // kernel writes through), or nullopt where it has none to give: a sparse tensor, a data_ptr()
@@ -39,22 +32,26 @@ std::optional<int64_t> address_of(const at::Tensor& t) {
   }
 }
 
-// addresses(seq) -> bytes: each item's data_ptr as a native int64, or None when an item is not a
-// tensor or has no address (the caller then treats the list as changed).
-py::object addresses(py::handle obj) {
-  PyObject* seq = checked_sequence(obj);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+// One native int64 per item of a list of tensors (``value``: the item's, or nullopt), packed as
+// bytes; None when an item is not a tensor or has no value.
+template <typename Value>
+py::object pack_per_tensor(py::handle obj, Value value) {
+  const auto [items, n] = sequence_items(obj);
   std::string out(static_cast<size_t>(n) * sizeof(int64_t), '\0');
-  auto* ptrs = reinterpret_cast<int64_t*>(out.data());
+  auto* packed = reinterpret_cast<int64_t*>(out.data());
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_Check(items[i])) return py::none();
-    const auto a = address_of(THPVariable_Unpack(items[i]));
-    if (!a) return py::none();
-    ptrs[i] = *a;
+    const at::Tensor* t = tensor_or_null(items[i]);
+    if (t == nullptr) return py::none();
+    const std::optional<int64_t> v = value(*t);
+    if (!v) return py::none();
+    packed[i] = *v;
   }
   return py::bytes(out);
 }
+
+// addresses(seq) -> bytes: each item's data_ptr, or None when an item is not a tensor or has no
+// address (the caller then treats the list as changed).
+py::object addresses(py::handle obj) { return pack_per_tensor(obj, address_of); }
 
 // describe(seq) -> (addresses, shapes, dtype, device, contiguous) or None:
 //   addresses:  bytes, each item's data_ptr (native int64);
@@ -65,9 +62,7 @@ py::object addresses(py::handle obj) {
 //   contiguous: bytes, 1 per contiguous item, else 0.
 // None when an item is not a strided tensor with an address (not a tensor, sparse, traced).
 py::object describe(py::handle obj) {
-  PyObject* seq = checked_sequence(obj);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  const auto [items, n] = sequence_items(obj);
   std::string ptrs(static_cast<size_t>(n) * sizeof(int64_t), '\0');
   std::string shapes;
   shapes.reserve(static_cast<size_t>(n) * 3 * sizeof(int64_t));
@@ -77,8 +72,9 @@ py::object describe(py::handle obj) {
   std::optional<c10::Device> device;
   bool one_dtype = true, one_device = true;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_Check(items[i])) return py::none();
-    const at::Tensor& t = THPVariable_Unpack(items[i]);
+    const at::Tensor* item = tensor_or_null(items[i]);
+    if (item == nullptr) return py::none();
+    const at::Tensor& t = *item;
     const auto a = address_of(t);
     if (!a) return py::none();
     p[i] = *a;
@@ -105,32 +101,21 @@ py::object describe(py::handle obj) {
   return py::make_tuple(py::bytes(ptrs), py::bytes(shapes), dt, dev, py::bytes(contiguous));
 }
 
-// versions(seq) -> bytes: each tensor's version counter (native int64), or None when an item is
-// not a tensor or keeps no counter (an inference tensor).
+// versions(seq) -> bytes: each tensor's version counter, or None when an item is not a tensor
+// or keeps no counter (an inference tensor).
 py::object versions(py::handle obj) {
-  PyObject* seq = checked_sequence(obj);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  std::string out(static_cast<size_t>(n) * sizeof(int64_t), '\0');
-  auto* v = reinterpret_cast<int64_t*>(out.data());
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_Check(items[i])) return py::none();
-    const at::Tensor& t = THPVariable_Unpack(items[i]);
-    if (t.is_inference()) return py::none();
-    v[i] = static_cast<int64_t>(t._version());
-  }
-  return py::bytes(out);
+  return pack_per_tensor(obj, [](const at::Tensor& t) -> std::optional<int64_t> {
+    if (t.is_inference()) return std::nullopt;
+    return static_cast<int64_t>(t._version());
+  });
 }
 
 // same_objects(a, b) -> bool: the two lists hold the very same objects, in order (identity;
 // nothing is compared by value).
 bool same_objects(py::handle a, py::handle b) {
-  PyObject* x = checked_sequence(a);
-  PyObject* y = checked_sequence(b);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
-  if (n != PySequence_Fast_GET_SIZE(y)) return false;
-  PyObject** xs = PySequence_Fast_ITEMS(x);
-  PyObject** ys = PySequence_Fast_ITEMS(y);
+  const auto [xs, n] = sequence_items(a);
+  const auto [ys, m] = sequence_items(b);
+  if (n != m) return false;
   for (Py_ssize_t i = 0; i < n; ++i)
     if (xs[i] != ys[i]) return false;
   return true;
