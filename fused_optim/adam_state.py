@@ -137,7 +137,8 @@ class AdamStateMixin:
 
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
         return (self._has_ema(group), bool(group.get("master_weights", False)),
-                ema_schedules.update_every(group), group.get("ema_dtype"))
+                ema_schedules.update_every(group), group.get("ema_dtype"),
+                bool(group.get("capturable", False)))
 
     def _ema_skipping(self, group: Dict[str, Any], lists: schema.AdamLists) -> Optional[tuple]:
         """With ``ema_update_every = k > 1``: the no-EMA op on the lists without the EMA."""

@@ -209,8 +209,13 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         if found_inf is not None and not isinstance(found_inf, torch.Tensor):
             # GradScaler sums its per-device found_inf tensors: without any grad, the int 0
             found_inf = torch.tensor(float(found_inf))
-        if found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item() != 0):
-            return loss  # before planning: a skipped first step creates no state either
+        # a host found_inf is read before planning (a skipped step creates no state), unless the
+        # buckets read it on the device (on the NPU's CPU stand-in, device steps on the CPU)
+        if (found_inf is not None and found_inf.device.type == "cpu"
+                and not self._device_steps_planned()):
+            if bool(found_inf.item() != 0):
+                return loss
+            found_inf = None  # read: nothing cancels this step
         # plans built for earlier groups are undone when a later one is refused
         self._plan_journal: Optional[list] = []
         try:
@@ -235,6 +240,10 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
             bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale,
                        _device_lr(group))
         return loss
+
+    def _device_steps_planned(self) -> bool:
+        """Whether the current plans have buckets that keep their steps on the device."""
+        return any(b.device_steps for plan in self._plans.values() for b in plan.buckets)
 
     def _init_group(self, *lists):
         """What dynamo runs eagerly when it compiles ``step()`` (see fused_optim/compiled.py)."""

@@ -41,11 +41,13 @@ class ClippingMixin:
         """``(skip now, device flag)`` from GradScaler's ``found_inf`` on an accelerator.
 
         Read on the host, except when every bucket reads it on the device (device steps): then
-        it is handed to the kernels and nothing syncs. On devices without fp64 (the NPU) a
-        clipped step reads only its norm's finiteness: the grads GradScaler found non-finite
-        make that norm non-finite, so the one host read per step decides both.
+        it is handed to the kernels and nothing syncs. (``step()`` reads a ``found_inf`` on the
+        CPU before planning and passes None, unless device steps are planned: on the NPU's CPU
+        stand-in, whose device is the CPU.) On devices without fp64 (the NPU) a clipped step
+        reads only its norm's finiteness: the grads GradScaler found non-finite make that norm
+        non-finite, so the one host read per step decides both.
         """
-        if found_inf is None or found_inf.device.type == "cpu" or not work:
+        if found_inf is None or not work:
             return False, None
         if all(b.device_steps for _, b in work):
             return False, found_inf
@@ -73,7 +75,11 @@ class ClippingMixin:
         if not on_device and not all(self._norm_backend(b).fp64 for _, b in work):
             return self._clip_on_host(work, grad_scale, skip_flag)
         norm = self._grad_norm(work)  # fp64, or fp32 where a device has no fp64
-        div = _div_for(norm.dtype)
+        # the device's own division, fp64 or fp32. In fp32 this is the NPU's capturable path:
+        # its CANN operator divides with the same instruction (its tolerance assumes it correctly
+        # rounded; tools/npu_check.py measures it), and a correctly rounded one made of fp32 ops
+        # (fp32_exact.scalar_div) would cost 176 launches on a 0-dim tensor, three per step
+        div = torch.div
         scale = (None if grad_scale is None
                  else grad_scale.to(device=norm.device, dtype=norm.dtype))
         if scale is not None:
@@ -174,10 +180,10 @@ class ClippingMixin:
             flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
             own = getattr(bucket.active, "grad_norm", None)
             total = None if own is None else own(flag)
+            backend = self._norm_backend(bucket)
             if total is None:
-                backend = self._norm_backend(bucket)
                 total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
-                fp64 = fp64 and backend.fp64
+            fp64 = fp64 and backend.fp64
             totals.append((total, bucket.layout))
         if not fp64:
             return _fp32_norm(totals, work[0][1].device)
@@ -222,20 +228,13 @@ def _trusted(value: float, squared: bool) -> bool:
     return math.isfinite(value) and value >= low
 
 
-def _div_for(dtype: torch.dtype):
-    """Division of the clip scalars: correctly rounded from fp32 ops in fp32 (the device's own
-    division need not be), torch's in fp64 (the fp64 formulas keep torch's ``float / tensor``,
-    a reciprocal and a product, as they are)."""
-    if dtype == torch.float32:
-        from multi_tensor.backends import fp32_exact
-        return fp32_exact.scalar_div
-    return torch.div
-
-
 def _fp32_norm(totals, device) -> torch.Tensor:
-    """The global norm from the buckets' fp32 norms, without fp64 (see ``_grad_norm``)."""
+    """The global norm from the buckets' fp32 norms, without fp64 (see ``_grad_norm``): one
+    unsharded bucket's norm as it is (as the host path, whose ``sqrt(fsum([n * n]))`` is ``n``)."""
     from multi_tensor.backends import fp32_exact, npu_ops
 
+    if len(totals) == 1 and totals[0][1] is None:
+        return totals[0][0].to(dtype=torch.float32, device=device).reshape(())
     norms = []
     for total, layout in totals:
         total = total.to(dtype=torch.float32)

@@ -74,8 +74,11 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         capturable: ``True``: every step runs without a host sync and can be captured in a CUDA
             graph (the step counters and per-step scalars live on the device; ``lr`` may be a
             device tensor, read by the kernel, so an LR schedule that updates it in place needs
-            no re-capture). Needs the Triton backend (CUDA) and, with an EMA, a constant decay
-            from step 1; otherwise the first step raises ``ValueError`` naming the param.
+            no re-capture). Needs the Triton backend (CUDA) or the NPU backend's CANN operator
+            (``MULTI_TENSOR_NPU_OP=cann``; a float ``lr``; a step GradScaler or clipping may
+            cancel then saves and restores the state on the device, docs/npu.md) and, with an
+            EMA, a constant decay from step 1; otherwise the first step raises ``ValueError``
+            naming the param.
         foreach, fused: accepted and ignored (always one fused call per bucket); torch's argument
             errors are raised (e.g. both True).
         fused_unscale, max_grad_norm, chunk_size: the options every fused optimizer takes (the

@@ -48,8 +48,9 @@ class _Bucket:
     scalars there (``prepared.run_device_step``), reading GradScaler's ``found_inf`` there too,
     so a step needs no host sync; the host's ``step`` then counts the steps attempted. The
     device counter is float64 (``device_step``: exact to 2**53; float32 stops counting at
-    2**24), and ``step_tensor``, the float32 ``state["step"]`` that torch's optimizers present,
-    is a copy of it made on the device after each step.
+    2**24), or the backend's ``device_step_dtype`` (the NPU, without fp64: int64), and
+    ``step_tensor``, the float32 ``state["step"]`` that torch's optimizers present, is a copy of
+    it made on the device after each step.
 
     ``ema_free``: with ``ema_update_every = k > 1``, the bucket's lists without the EMA bound to
     the op without it, which runs the steps that do not update the EMA
@@ -75,7 +76,10 @@ class _Bucket:
         self.device_steps = device_steps
         self.step_tensor = torch.full((), float(step), dtype=torch.float32,
                                       device=self.device if device_steps else "cpu")
-        self.device_step = (torch.full((), float(step), dtype=torch.float64, device=self.device)
+        # float64 unless the backend counts in another dtype (the NPU, which has no fp64: int64,
+        # the CANN operator's step tensor)
+        self.device_step = (torch.full((), step, device=self.device,
+                                       dtype=getattr(prepared, "device_step_dtype", torch.float64))
                             if device_steps else None)
         # the host step tensor's memory as a numpy scalar: writing it costs a tenth of fill_'s
         # dispatch, in every step's fixed cost (None without numpy, which torch does not need)
@@ -138,7 +142,10 @@ class _Bucket:
         else:
             scale = grad_scale.to(self.device)
         if self.device_steps:
-            flag = noop_flag if skip_flag is None else skip_flag.to(self.device)
+            if skip_flag is not None:
+                flag = skip_flag.to(self.device)
+            else:  # nothing can cancel the step: a backend that may take None gets None
+                flag = None if self._flag_optional else noop_flag
             self.active.run_device_step(self.device_step, hyper, flag, scale, lr=lr)
             self.step_tensor.copy_(self.device_step)
             self.step += 1
@@ -406,14 +413,16 @@ class PlanningMixin:
             checked.append((rows, bucket_params, bound, layout))
         buckets = []
         for rows, bucket_params, bound, layout in checked:
-            prepared = [backend.prepare_bucket(op.name, state, self._chunk_size)
+            capturable = bool(group.get("capturable"))
+            prepared = [backend.prepare_bucket(op.name, state, self._chunk_size,
+                                               capturable=capturable)
                         for _, op, state, backend in bound]
             all_rows = len(rows) == len(params) and rows == list(range(len(params)))
             device_steps = (hasattr(prepared[0], "run_device_step")
                             and not self._step_dependent(group))
-            if group.get("capturable"):
-                self._check_capturable(group, bucket_params[0], bound[0][3],
-                                       hasattr(prepared[0], "run_device_step"), device_steps)
+            if capturable:
+                self._check_capturable(group, bucket_params[0], bound[0][3], prepared[0],
+                                       device_steps)
             bucket = _Bucket(None if all_rows else rows, bucket_params, prepared[0],
                              self._step_of(bucket_params[0]), device_steps,
                              ema_free=prepared[-1], every=bound[-1][0], layout=layout)
@@ -423,12 +432,19 @@ class PlanningMixin:
             buckets.append(bucket)
         return buckets
 
-    def _check_capturable(self, group: Dict[str, Any], p: torch.Tensor, backend,
-                          backend_steps: bool, device_steps: bool) -> None:
+    def _check_capturable(self, group: Dict[str, Any], p: torch.Tensor, backend, prepared,
+                          device_steps: bool) -> None:
         """A capturable group's bucket keeps its steps on the device and reads a tensor lr
         there; raise naming the param group and param where it cannot."""
+        backend_steps = hasattr(prepared, "run_device_step")
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         where = f"param_groups[{gi}]['params'][{next(i for i, q in enumerate(group['params']) if q is p)}]"
+        why_not = getattr(prepared, "capturable_refusal", None)
+        why_not = why_not() if why_not is not None else None
+        if why_not is not None:
+            raise ValueError(
+                f"{type(self).__name__}: capturable=True needs steps without a host read, but "
+                f"{where} ({p.device}, {p.dtype}) cannot have them: {why_not}")
         if not device_steps:
             why = ("the group's EMA decay depends on the step (an ema_schedule other than "
                    "'constant', ema_start_step > 0 or ema_update_every > 1)" if backend_steps else
@@ -438,6 +454,12 @@ class PlanningMixin:
                 f"{type(self).__name__}: capturable=True needs the step counters and the per-step "
                 f"scalars on the device, but {where} ({p.device}, {p.dtype}) cannot have them: {why}")
         lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and not getattr(prepared, "reads_tensor_lr", True):
+            raise ValueError(
+                f"{type(self).__name__}: capturable=True with a tensor lr, but {where} "
+                f"({p.device}) runs on the {backend.name!r} backend, whose operator takes lr as "
+                f"a host value (reading the tensor would sync): give the group a float lr "
+                f"(an LR scheduler sets floats)")
         if isinstance(lr, torch.Tensor) and lr.device != p.device:
             raise ValueError(
                 f"{type(self).__name__}: capturable=True reads a tensor lr on the params' device, "

@@ -1,11 +1,13 @@
-"""The simulated Ascend 910B (multi_tensor/backends/npu_model.py) and issue 16's six scenarios.
+"""The simulated Ascend 910B (multi_tensor/backends/npu_model.py) and issue 16's scenarios.
 
 First the model itself: launches (views free, torch_npu's foreach grouping), bytes, host syncs,
 fp64 ops and the CANN-operator wrapper, each on tensors made for the case. Then the scenarios:
 ``FusedEmaAdamW`` on the NPU stand-in, the third step measured, for 20 and then 200 params of
-1,000-5,000 elements (seeded shapes): launches the same for both, no fp64 op, no host sync (one
-where a step may be skipped: GradScaler's found_inf, clipping's non-finite norm; CANN's operator
-has no skip input), bytes per param element within 10% of the minimal launch sequence's.
+1,000-5,000 elements (seeded shapes): launches the same for both, no fp64 op, bytes per param
+element within 10% of the minimal launch sequence's, and no host sync, except one by default
+where a step may be cancelled (GradScaler's found_inf, clipping's non-finite norm: CANN's operator
+has no skip input, and reading the flag is cheaper than saving the state); with
+``capturable=True`` none at all (the state saved and restored on the device).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import math
 import pytest
 import torch
 
-from multi_tensor.backends import npu_model
+from multi_tensor.backends import npu_model, npu_ops
 from multi_tensor.backends.npu_model import DeviceModel
 
 pytestmark = pytest.mark.npu_sim
@@ -217,6 +219,13 @@ CAST_IN = 2 + 4      # a 16-bit grad into the fp32 grad buffer: reads 2, writes 
 CAST_OUT = 4 + 2     # the fp32 master rounded into the 16-bit param: reads 4, writes 2
 SCALE = 4 + 4        # grads times a factor (unscale and/or clip), in place on the fp32 buffer
 NORM = 4             # l2norm: reads the fp32 grads
+# capturable, on the device without a host read: the range-safe norm (npu_ops.norm_flat: max |g|
+# 4, the scaled copy 8, its squares 12 (y * y reads y twice), the blocked sum 4), and for a step that may be cancelled
+# the state saved (var, m, v, s read and written: 32) and selected back (4 wheres, each reading
+# the saved and the new value and writing one: 48)
+SAFE_NORM = 4 + 8 + 12 + 4
+SAVE = 4 * (4 + 4)
+RESTORE = 4 * (4 + 4 + 4)
 
 SCENARIO_TABLE = {
     # name: (bytes per param element, host syncs): the minimal launch sequence, at steady state
@@ -247,6 +256,16 @@ SCENARIO_TABLE = {
     # them correctly rounded): the op list above with an fp32 sqrt, 208 B/element
     # (TORCH_TARGETS: not a launch sequence of the operator's)
     "fp32, torch, device sqrt/div": (None, 0),
+    # capturable=True (no host read at all; the step counter on the device): nothing can cancel
+    # the step, so the plain operator + lerp (the step counter's own updates are 8-byte ones)
+    "fp32, cann, capturable": (OP + LERP, 0),
+    # a clipped step may be cancelled (a non-finite norm) and the operator has no skip input:
+    # the norm, the scaled grads, the state saved, the operator, the lerp, the state restored
+    # where the flag is set: 28 + 8 + 32 + 36 + 12 + 48 = 164, no sync
+    "fp32 + max_grad_norm, cann, capturable": (SAFE_NORM + SCALE + SAVE + OP + LERP + RESTORE, 0),
+    # GradScaler's found_inf read on the device: 6 + 8 + 32 + 36 + 12 + 48 + 6 = 148, no sync
+    "fp16 + masters + GradScaler, cann, capturable": (
+        CAST_IN + SCALE + SAVE + OP + LERP + RESTORE + CAST_OUT, 0),
 }
 TORCH_TARGETS = {"fp32, torch, device sqrt/div": (208, 22)}  # (bytes/element, launches)
 PARAMS = (20, 200)
@@ -262,17 +281,30 @@ def _minimal_sequence(name: str, n: int):
     found, inv = torch.zeros(1), torch.ones(1)
     step = torch.ones(1, dtype=torch.int64)
 
+    capturable = options.get("capturable", False)
+    skippable = bool(options.get("max_grad_norm") or options.get("scaler"))
+    saved = [torch.ones(n) for _ in range(4)]
+    skip = torch.zeros((), dtype=torch.bool)
+
     def run(model):
         op = model.device_op(lambda *args: None)
         g = g32 if low else grad
         if low:
             g32.copy_(grad)                                   # the grad cast
         if options.get("max_grad_norm"):
-            torch.linalg.vector_norm(g)                       # l2norm
-        if options.get("max_grad_norm") or options.get("scaler"):
+            if capturable:
+                npu_ops.norm_flat(g)                          # the range-safe norm
+            else:
+                torch.linalg.vector_norm(g)                   # l2norm
+        if skippable:
             torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv)
+        if capturable and skippable:
+            torch._foreach_copy_(saved, [var, m, v, s])       # the state saved
         op(g, var, m, v, s, step)                             # the operator
         s.lerp_(var, 0.1)                                     # the EMA
+        if capturable and skippable:
+            for dst, old in zip((var, m, v, s), saved):       # restored where cancelled
+                torch.where(skip, old, dst, out=dst)
         if low:
             param.copy_(var)                                  # master -> param
     return run
@@ -285,8 +317,9 @@ def test_the_minimal_sequence_meets_its_target(name):
     with DeviceModel() as model:
         run(model)
     summary = model.summary()
-    # the target per element, plus the one-element flag, scale and norm tensors
-    assert 0 <= summary.bytes - SCENARIO_TABLE[name][0] * n < 64, summary.ops
+    # the target per element, plus the one-element flag, scale and norm tensors (the range-safe
+    # norm's scale selection: a dozen 0-dim ones)
+    assert 0 <= summary.bytes - SCENARIO_TABLE[name][0] * n < 256, summary.ops
     assert (summary.syncs, summary.fp64_ops) == (0, 0)
 
 
@@ -342,6 +375,13 @@ LAUNCH_BOUNDS = {
     "bf16 + fp32 masters, cann": 4,
     "fp32 + max_grad_norm, cann": 12,
     "fp16 + masters + GradScaler, cann": 7,
+    # capturable: the step counter (the operator's step, the counter, state["step"]) adds 3; a
+    # step that may be cancelled adds the save (1), the restore (4) and the skip flag's (3);
+    # clipping there: the range-safe norm (23, with its flag) and the fp32 clip factor (about
+    # 10), all on the device (in a captured graph the 0-dim launches cost no host time)
+    "fp32, cann, capturable": 5,
+    "fp32 + max_grad_norm, cann, capturable": 58,
+    "fp16 + masters + GradScaler, cann, capturable": 18,
 }
 
 

@@ -48,6 +48,11 @@ What it checks (the reference backend runs on the CPU, on copies of the same ten
     elements on both sides of 2^31 get the same update.
 12. The clipped step's one-read grad norm (``npu_ops.quick_norm``): the same bits on a repeat
     run, within ``quick_bound`` of the fp64 norm, inf on overflow, NaN on a NaN.
+13. ``capturable=True`` (the step counter on the device, the operator's own bias correction,
+    nothing read on the host), fp32 and bf16 + masters, under a GradScaler-style ``found_inf``:
+    a cancelled step (an inf grad, ``found_inf`` set) changes no bit of params, state or step
+    (PASS/FAIL), and the updates stay within a few roundings per step of the plain ``cann`` path
+    (the operator's ``1 - Power(beta, step)`` against the folded scalars; information).
 
 Every check prints one ``[PASS]``/``[FAIL]``/``[info]`` line and a field of the ``--json`` file;
 ``--stand-in`` runs all that can run on CPU (8 and 11 report themselves skipped).
@@ -834,6 +839,51 @@ def check_quick_norm(args, device, backend, sync, rep: Report) -> None:
               runs_differ=runs_differ, worst_of_bound=worst, overflow=overflow)
 
 
+def check_capturable(args, device, backend, sync, rep: Report) -> None:
+    rep.say("13. capturable=True: the device step counter, the operator's own bias correction, "
+            "a cancelled step")
+    shapes = shapes_for(args.parity_numel, args.parity_tensors, seed=9)
+    steps = max(args.parity_steps, 4)
+    for dtype, master in ((torch.float32, False), (torch.bfloat16, True)):
+        ours_p = make_params(shapes, dtype, device, 13)
+        plain_p = make_params(shapes, dtype, device, 13)
+        ours = FusedEmaAdamW(ours_p, master_weights=master, capturable=True, **HYPER)
+        plain = FusedEmaAdamW(plain_p, master_weights=master, **HYPER)
+        changed, rel, start = None, 0.0, None
+        with forced_backend(backend), npu.op_mode("cann"):
+            for k in range(steps):
+                grads = make_grads(shapes, dtype, 700 + k)
+                cancel = k == 2
+                set_grads(ours_p, grads)
+                set_grads(plain_p, grads)
+                for opt in (ours, plain):
+                    opt.grad_scale = torch.ones((), device=device)
+                    opt.found_inf = torch.tensor([1.0 if cancel else 0.0], device=device)
+                if cancel:
+                    before = [t.detach().clone() for t in ours_p] + [
+                        t.detach().clone() for p in ours_p for t in ours.state[p].values()]
+                    ours_p[0].grad.view(-1)[0] = float("inf")
+                ours.step()
+                plain.step()
+                sync()
+                if cancel:
+                    after = list(ours_p) + [t for p in ours_p for t in ours.state[p].values()]
+                    changed = sum(bitwise_mismatches(a, b) for a, b in zip(before, after))
+                if k == 0:
+                    start = [weights(plain, q).detach().cpu().double() for q in plain_p]
+        for p, q, s0 in zip(ours_p, plain_p, start):
+            a, b = weights(ours, p).detach().cpu().double(), weights(plain, q).detach().cpu().double()
+            moved = (b - s0).abs().max().item()
+            if moved > 0:
+                rel = max(rel, (a - b).abs().max().item() / moved)
+        name = dtype_name(dtype, master)
+        rep.check(f"capturable {name}: cancelled step", changed == 0,
+                  f"{changed} elements changed by the cancelled step", changed=changed)
+        rep.info(f"capturable {name}: against the plain cann path",
+                 f"{'masters' if master else 'params'} differ by at most {rel:.2e} of how far "
+                 f"they moved over {steps} steps (one cancelled)", rel=rel)
+
+
 def timed(fn, steps: int, warmup: int, sync) -> float:
     for _ in range(warmup):
         fn()
@@ -981,7 +1031,8 @@ def main(argv=None) -> int:
         environment(device, backend, rep)
         checks = [check_torch_path, check_cann_step, check_cann_drift, check_literal_ema,
                   check_fp64_foreach, check_sqrt_div_rounding, check_binding_builds,
-                  check_complements, check_convert_copy, check_huge_launch, check_quick_norm]
+                  check_complements, check_convert_copy, check_huge_launch, check_quick_norm,
+                  check_capturable]
         if args.derive_tolerances:
             checks = [derive_tolerances]
         elif not args.skip_bench:

@@ -88,9 +88,18 @@ Atlas A2/A3 and Ascend 950 only: :data:`SUPPORTED_CHIP_PREFIXES`); an operator t
 load (warned once). The optimizer's steps pass ``noop_flag=None`` (its flag is never set:
 ``noop_flag_optional``), so a plain step reads nothing on the host; a one-shot apex call keeps
 apex's flag, read on the host once per call (on the CANN path with ``check_finite`` together with
-the finite check, in one read). The base class's device-step protocol (``run_device_step``: step counter and
-``found_inf`` on the device, no sync) is not offered: CANN's operator has no skip flag, so an
-overflow step could not be skipped without reading the flag on the host.
+the finite check, in one read). A step that GradScaler (``found_inf``) or clipping (a non-finite
+norm) may cancel reads that flag on the host, once: CANN's operator has no skip input, and the
+read is cheaper than the alternative, which a capturable group gets instead.
+
+``capturable=True`` (:class:`CapturableFlatAdamBucket`): the engine's device-step protocol
+(``run_device_step``), nothing read on the host, so the step can be captured in an NPU graph. The
+step counter is an int64 device tensor and the operator computes the bias corrections from it
+(``bias_correction=True``; lr, eps and weight decay the group's own); a step that may be
+cancelled saves var, m, v and s into scratch before the operator and selects them back where
+the flag is set (``torch.where``): 80 bytes per element more and 16 bytes per element of scratch
+(at most :data:`SKIP_SLICE` elements at a time). It needs the operator (a ``cann`` mode, the
+``fused_ema_adamw`` op) and a float lr, and is refused at planning otherwise.
 
 Everything that touches CANN (the binding, its build, the op's rounding, the chip check, the
 step times) is verified only on Ascend hardware with ``tools/npu_check.py``; the rest runs on
@@ -100,6 +109,7 @@ with the device operator replaced).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import warnings
@@ -107,7 +117,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import schema, tensor_facts
+from .. import rules, schema, tensor_facts
 from ..rules import StepScalars
 from . import flat, fp32_exact, npu_ops, reference
 from . import registry
@@ -121,6 +131,10 @@ CANN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_LAUNCH_NUMEL = 2 ** 30
 """Elements per operator launch; larger buckets take several launches over slices (a guard: CANN
 documents no size limit, this keeps any 32-bit element index inside the kernel safe)."""
+
+SKIP_SLICE = 2 ** 26
+"""Elements per slice of a capturable step that may be cancelled (bounds its scratch: 16 bytes
+per element of it, 1 GiB for fp32 state)."""
 
 TORCH_PATH_SLICE = 2 ** 26
 """Elements per slice on the torch path (bounds its temporaries; elementwise, so exact)."""
@@ -329,6 +343,8 @@ class FlatAdamBucket:
         self.grad_keeper: Optional[flat.FlatGrads] = None
         self._keeps_grads = repoint and flat_grads_enabled()
         self._step_one: Optional[torch.Tensor] = None
+        self._op_step: Optional[torch.Tensor] = None
+        self._scratch: Optional[List[torch.Tensor]] = None
         self._grads = None
         self.last_path: Optional[str] = None
         self.last_reason: Optional[str] = None
@@ -373,6 +389,13 @@ class FlatAdamBucket:
         if not ran:
             self.stats["skipped"] += 1
             return
+        self._write_back()
+        self.stats["runs"] += 1
+        self.stats["torch" if path == "torch" else "cann"] += 1
+        self.last_path, self.last_reason = path, reason
+
+    def _write_back(self) -> None:
+        """The state out of staging, and the params from the update's weights."""
         for fl in self.state:
             fl.stage_out()
         if self.has_master:  # the param gets the master rounded once
@@ -382,9 +405,32 @@ class FlatAdamBucket:
                 flat.copy_all(self.params, self.masters.views)
         else:
             self.weights.stage_out()
-        self.stats["runs"] += 1
-        self.stats["torch" if path == "torch" else "cann"] += 1
-        self.last_path, self.last_reason = path, reason
+
+    def _grads_buffer(self, grads) -> Optional[torch.Tensor]:
+        """One tensor whose norm is the grads' norm: our grad buffer (zero between the views:
+        allocated zeroed, and backward, ``zero_grad`` and the grad hooks write only views) or a
+        gap-free buffer the grads are views of; None otherwise (the first step, before the grad
+        buffer exists, and grads assigned by hand)."""
+        keeper = self.grad_keeper
+        if keeper is not None and keeper.serves(grads):
+            buf = keeper.buffer
+        elif self.layout.gap_free:
+            buf = flat.alias(grads, self.layout, grads[0].dtype, self.device, writable=False)
+        else:
+            return None
+        return None if buf is None or buf.dtype == torch.float64 else buf
+
+    def grad_norm(self, noop_flag: torch.Tensor) -> Optional[torch.Tensor]:
+        """The bound grads' fp32 norm on the device, range-safe (``npu_ops.norm_flat`` over
+        their flat buffer: no concatenation), setting ``noop_flag`` on a non-finite grad; None
+        where the grads are not one buffer (the caller then runs the ``l2norm`` op)."""
+        grads = self._grads
+        if grads is None:
+            raise RuntimeError("FlatAdamBucket.grad_norm() without a successful bind()")
+        if not grads or self.layout.total == 0:
+            return None
+        buf = self._grads_buffer(grads)
+        return None if buf is None else npu_ops.norm_flat(buf, noop_flag)
 
     def quick_grad_norm(self) -> Optional[torch.Tensor]:
         """The bound grads' fp32 norm in one read of their flat buffer
@@ -399,16 +445,8 @@ class FlatAdamBucket:
             raise RuntimeError("FlatAdamBucket.quick_grad_norm() without a successful bind()")
         if not grads or self.layout.total == 0:
             return None
-        keeper = self.grad_keeper
-        if keeper is not None and keeper.serves(grads):
-            buf = keeper.buffer
-        elif self.layout.gap_free:
-            buf = flat.alias(grads, self.layout, grads[0].dtype, self.device, writable=False)
-        else:
-            return None
-        if buf is None or buf.dtype == torch.float64:
-            return None
-        return npu_ops.quick_norm(buf)
+        buf = self._grads_buffer(grads)
+        return None if buf is None else npu_ops.quick_norm(buf)
 
     # --- pieces -------------------------------------------------------------------------------
     def _host_scale(self, grad_scale) -> Optional[float]:
@@ -529,16 +567,14 @@ class FlatAdamBucket:
         if check_finite and not owned:
             buf, _ = self._grad_buffer(g_flat.dtype)  # never unscale the caller's grads in place
             buf.copy_(g_flat)
-            g = buf
+            g, owned = buf, True
         if grad_scale is not None or check_finite:
             dt = self.math_dtype
             host = self._host_scale(grad_scale)
             if host is not None:  # fp32(1) / scale on the host: IEEE, as the reference's
                 inv = reference.rounded(1.0 / host, dt) if host != 0.0 else float("inf")
             else:
-                one = torch.ones((), dtype=dt, device=self.device)
-                inv = (one / grad_scale.reshape(()).to(device=self.device, dtype=dt)
-                       if grad_scale is not None else one)
+                inv = self._device_inverse(grad_scale)
             if check_finite:  # one launch: check and unscale; the one host read of the step
                 if not isinstance(inv, torch.Tensor):
                     inv = torch.full((), inv, dtype=dt, device=self.device)
@@ -550,31 +586,180 @@ class FlatAdamBucket:
                     if noop_flag is not None:
                         noop_flag.fill_(1)
                     return False
-            elif owned:
-                g.mul_(inv)
-            else:  # never unscale the caller's grads in place: the product into our buffer
-                buf, _ = self._grad_buffer(g_flat.dtype)
-                torch.mul(g_flat, inv, out=buf)
-                g = buf
+            else:
+                g = self._scaled(g, owned, inv)
         if self._step_one is None:
             self._step_one = torch.ones(1, dtype=torch.int64, device=self.device)
         args = fold_scalars(c)
+        self._launch(fn, g, self._step_one, args["lr"], args["eps"], args["weight_decay"],
+                     args["mode"], False, c, literal)
+        return True
+
+    def _device_inverse(self, grad_scale) -> torch.Tensor:
+        """``1 / grad_scale`` in the math dtype on the device (0-dim; None: 1)."""
+        one = torch.ones((), dtype=self.math_dtype, device=self.device)
+        if grad_scale is None:
+            return one
+        return one / grad_scale.reshape(()).to(device=self.device, dtype=self.math_dtype)
+
+    def _scaled(self, g: torch.Tensor, owned: bool, factor) -> torch.Tensor:
+        """``g * factor``: in place on our buffer, never on the caller's grads (the product
+        goes into our buffer instead)."""
+        if owned:
+            return g.mul_(factor)
+        buf, _ = self._grad_buffer(g.dtype)
+        torch.mul(g, factor, out=buf)
+        return buf
+
+    def _launch(self, fn, g, step, lr, eps, weight_decay, mode, bias_correction, c, literal,
+                skip: Optional[torch.Tensor] = None) -> None:
+        """The operator over the bucket (slices of :data:`MAX_LAUNCH_NUMEL`), then the unbiased
+        EMA's ``lerp_`` (``literal``: the operator's own EMA). ``skip`` (a 0-dim bool device
+        tensor): the step is cancelled on the device when it is set. The operator has no skip
+        input, so each slice's var, m, v and s are copied into scratch first (one
+        ``_foreach_copy_``) and selected back afterwards (one ``where`` each): nothing is read
+        on the host, at 80 bytes per element more; slices of :data:`SKIP_SLICE` elements bound
+        the scratch."""
         ema_decay = float(1.0 - c.ema_w) if literal else 1.0
         w, m, v, s = (self.weights.flat, self.exp_avg.flat, self.exp_avg_sq.flat,
                       self.ema_list.flat)
         total = self.layout.total
-        for start in range(0, total, MAX_LAUNCH_NUMEL):
-            n = min(MAX_LAUNCH_NUMEL, total - start)
+        size = MAX_LAUNCH_NUMEL if skip is None else min(SKIP_SLICE, MAX_LAUNCH_NUMEL)
+        scratch = None if skip is None else self._skip_scratch(min(size, total))
+        for start in range(0, total, size):
+            n = min(size, total - start)
             outs = (w.narrow(0, start, n), m.narrow(0, start, n), v.narrow(0, start, n),
                     s.narrow(0, start, n))
-            result = fn(g.narrow(0, start, n), *outs, self._step_one, args["lr"], ema_decay,
-                        float(c.beta1), float(c.beta2), args["eps"], args["mode"], False,
-                        args["weight_decay"])
+            if scratch is not None:
+                saved = [t.narrow(0, 0, n) for t in scratch]
+                torch._foreach_copy_(saved, outs)
+            result = fn(g.narrow(0, start, n), *outs, step, lr, ema_decay, float(c.beta1),
+                        float(c.beta2), eps, mode, bias_correction, weight_decay)
             _take_results(result, outs)
             self.stats["launches"] += 1
-        if not literal and c.ema_w != 0.0:
-            s.lerp_(w, float(c.ema_w))  # the unbiased EMA, one launch
-        return True
+            if not literal and c.ema_w != 0.0:
+                outs[3].lerp_(outs[0], float(c.ema_w))  # the unbiased EMA, one launch
+            if scratch is not None:
+                for dst, old in zip(outs, saved):
+                    torch.where(skip, old, dst, out=dst)
+
+    def _skip_scratch(self, n: int) -> List[torch.Tensor]:
+        """Four buffers of ``n`` elements in the state dtype, kept (fixed addresses, so that a
+        captured graph finds them again)."""
+        scratch = self._scratch
+        if scratch is None or scratch[0].numel() < n:
+            scratch = self._scratch = [torch.empty(n, dtype=self.work_dtype, device=self.device)
+                                       for _ in range(4)]
+        return scratch
+
+
+class CapturableFlatAdamBucket(FlatAdamBucket):
+    """A capturable group's NPU bucket: the step counter on the device, nothing read on the
+    host (``run_device_step``), so the step can be captured in an NPU graph.
+
+    The plain bucket folds the bias corrections into the operator's host attributes from the
+    host's step count and reads GradScaler's ``found_inf`` (or a clipped step's non-finite norm)
+    on the host once per step: the cheapest sequence, since the operator has no skip input.
+    Here the operator computes the corrections itself from the int64 device step
+    (``bias_correction=True``: its fp32 ``1 - Power(beta, step)``; on the stand-in's CANN
+    emulation the params are as far from the reference as the plain bucket's, 2.3e-4 of their
+    movement after one step and 1.7e-4 after 20 for both, dominated by the complements'
+    gap; ``tools/npu_check.py`` check 13 compares the two on hardware), lr, eps and weight
+    decay are the group's own, and a step that may be cancelled (a skip flag is given) saves
+    and restores the state on the device (:meth:`FlatAdamBucket._launch`): 80 bytes per
+    element and 16 bytes per element of scratch (at most :data:`SKIP_SLICE` elements) more than
+    the plain bucket.
+    A step that nothing can cancel (no GradScaler, no clipping) costs what the plain one does.
+
+    Where the operator cannot serve a step (the ``torch`` op mode, maximize, an op it does not
+    implement, a failed load: :meth:`FlatAdamBucket._choose`), the step runs the exact torch
+    path and reads the flag and the step on the host (warned once): correct, not sync-free.
+    """
+
+    device_step_dtype = torch.int64
+    """The engine's device step counter: the operator's int64 step tensor (the AI Core has no
+    fp64)."""
+
+    reads_tensor_lr = False
+    """The operator takes lr as a host attribute: a capturable group needs a float lr."""
+
+    def capturable_refusal(self) -> Optional[str]:
+        """Why this bucket's steps cannot be sync-free (checked when the group is planned), or
+        None."""
+        if get_op_mode() == "torch":
+            return ("the NPU backend's exact torch path computes the step's scalars on the host "
+                    "(no fp64 on the AI Core to compute them on the device): choose the CANN "
+                    "operator (MULTI_TENSOR_NPU_OP=cann or npu.set_op_mode('cann'))")
+        if self.op not in CANN_OPS:
+            return f"op {self.op} (the CANN operator serves fused_ema_adamw only)"
+        return None
+
+    @torch.no_grad()
+    def run_device_step(self, step: torch.Tensor, hyper, noop_flag=None, grad_scale=None,
+                        lr=None) -> None:
+        """One update with the step counter ``step`` (0-dim int64 on the device), advanced
+        unless ``noop_flag`` (a device flag: GradScaler's ``found_inf``, or a non-finite clip
+        norm; None: nothing can cancel the step) is set."""
+        grads, self._grads = self._grads, None
+        if grads is None:
+            raise RuntimeError("CapturableFlatAdamBucket.run_device_step() without a "
+                               "successful bind()")
+        self.last_path = None
+        c = rules.step_scalars(hyper, 1)  # the step-independent fields (the EMA weight, mode)
+        skip = None if noop_flag is None else noop_flag.reshape(-1)[0] != 0
+        if not grads or self.layout.total == 0:
+            self._advance(step, skip)
+            return
+        grad_dtype = self._grad_dtype(grads[0].dtype)
+        path, reason = self._choose(c, grad_scale, grad_dtype)
+        if path == "torch":
+            self._grads = grads
+            self._host_step(step, hyper, noop_flag, grad_scale, lr, reason)
+            return
+        fn, _ = self.device_op.get(self.device)
+        g, owned = self._gather(grads)
+        if not self.has_master:
+            self.weights.stage_in()
+        for fl in self.state:
+            fl.stage_in()
+        if grad_scale is not None:
+            g = self._scaled(g, owned, self._device_inverse(grad_scale))
+        if self._op_step is None:
+            self._op_step = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # the operator sees this attempt's number (never 0, even on a cancelled first step);
+        # the counter advances unless the step is cancelled
+        torch.add(step.reshape(1), 1, out=self._op_step)
+        self._advance(step, skip)
+        wd, mode = ((c.l2_wd, 0) if c.l2 else
+                    (float(hyper.weight_decay) if c.decoupled else 0.0, 1))
+        self._launch(fn, g, self._op_step, float(hyper.lr), float(hyper.eps), wd, mode,
+                     bool(hyper.bias_correction), c, path == "cann_literal", skip)
+        self._write_back()
+        self.stats["runs"] += 1
+        self.stats["cann"] += 1
+        self.last_path, self.last_reason = path, reason
+
+    @staticmethod
+    def _advance(step: torch.Tensor, skip: Optional[torch.Tensor]) -> None:
+        """The counter advanced by one unless ``skip`` is set (an int64 addend: no mixed-dtype
+        in-place add on the device)."""
+        step.add_(1 if skip is None else skip.logical_not().to(step.dtype))
+
+    def _host_step(self, step, hyper, noop_flag, grad_scale, lr, reason) -> None:
+        """The torch path for a step the operator cannot serve: the flag, the step count and a
+        tensor lr read on the host (warned once)."""
+        _warn_once("capturable:" + str(reason),
+                   f"multi_tensor NPU backend: a capturable step reads the host ({reason}); "
+                   f"it runs the exact torch path instead")
+        if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
+            self._grads = None
+            self.stats["skipped"] += 1
+            return
+        if lr is not None:
+            hyper = dataclasses.replace(hyper, lr=float(lr))
+        t = int(step.item()) + 1
+        self.run(None, rules.step_scalars(hyper, t), grad_scale, False)
+        step.add_(1)
 
 
 def _take_results(result, outs) -> None:
@@ -613,10 +798,14 @@ def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
         # once: an apex call on the caller's tensors, copied in and out rather than re-pointed
         return FlatAdamBucket(op, lists, chunk_size, op_holder, repoint=not once)
 
+    def prepare_capturable(op, lists, chunk_size):
+        _refuse_fp64(name, op, lists)
+        return CapturableFlatAdamBucket(op, lists, chunk_size, op_holder)
+
     backend = Backend(
         name=name, device_types=tuple(device_types), priority=priority,
         ops={"scale": npu_ops.scale, "l2norm": npu_ops.l2norm}, fp64=False,
-        prepare=prepare, adam_ops=schema.ADAM_OPS,
+        prepare=prepare, prepare_capturable=prepare_capturable, adam_ops=schema.ADAM_OPS,
         description=description or ("flat buckets, one CANN aclnnApplyFusedEmaAdam launch per "
                                     "bucket (MULTI_TENSOR_NPU_OP=cann) or the exact torch path "
                                     "(default); torch_npu imported on first use"))

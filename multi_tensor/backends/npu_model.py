@@ -415,11 +415,18 @@ SCENARIOS = {
     # to be correctly rounded (multi_tensor.backends.npu.IEEE_ENV)
     "fp32, torch, device sqrt/div": dict(dtype=torch.float32, mode="torch",
                                          device_sqrt_div=True),
+    # capturable=True: the step counter on the device and no host read at all; a step that may
+    # be cancelled saves and restores the state on the device (the operator has no skip input)
+    "fp32, cann, capturable": dict(dtype=torch.float32, mode="cann", capturable=True),
+    "fp32 + max_grad_norm, cann, capturable": dict(dtype=torch.float32, mode="cann",
+                                                   max_grad_norm=1.0, capturable=True),
+    "fp16 + masters + GradScaler, cann, capturable": dict(dtype=torch.float16, mode="cann",
+                                                          scaler=True, capturable=True),
 }
 """Name -> options: the param dtype (fp16/bf16 params keep fp32 masters), the NPU op mode
 (:data:`multi_tensor.backends.npu.OP_MODES`), clipping, ``torch.amp.GradScaler``, the device's
 own sqrt and division on the ``torch`` path (:func:`multi_tensor.backends.npu.set_device_sqrt_div`;
-off unless named)."""
+off unless named), ``capturable`` (the optimizer's option)."""
 
 
 def param_shapes(count: int, seed: int = 0, low: int = 1000, high: int = 5000) -> List[tuple]:
@@ -472,7 +479,8 @@ def run_scenario(name: str, params: int, *, steps: int = 3, seed: int = 0,
     weights = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype))
                for s in shapes]
     opt = FusedEmaAdamW(weights, lr=1e-3, weight_decay=0.01,
-                        max_grad_norm=options.get("max_grad_norm"))
+                        max_grad_norm=options.get("max_grad_norm"),
+                        capturable=options.get("capturable", False))
     scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
               if options.get("scaler") else None)
     model = DeviceModel(host_born=host_born)

@@ -164,7 +164,7 @@ def norm_flat(x: torch.Tensor, noop_flag: Optional[torch.Tensor] = None) -> torc
     x = x if x.dtype == torch.float32 else x.to(torch.float32)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    amax = x.abs().amax()
+    amax = torch.linalg.vector_norm(x, float("inf"))  # max |x| in one read (NaN propagates)
     if noop_flag is not None:
         _flag_unless(noop_flag, torch.isfinite(amax))
     big, small, tiny = amax > _BIG, amax < _SMALL, amax < _TINY

@@ -64,6 +64,10 @@ class Backend:
     # whether its devices compute in fp64; False (the Ascend AI Core): no fp64 tensor is made on
     # them, and the clipping and unscale scalars are computed in fp32 (fused_optim/clipping.py)
     fp64: bool = True
+    # prepare_capturable(op, lists, chunk_size) -> a bucket with ``run_device_step``, for a
+    # capturable group, where the backend's plain buckets keep their steps on the host because
+    # that is cheaper there (the NPU: see multi_tensor/backends/npu.py); None: ``prepare``
+    prepare_capturable: Optional[Callable] = None
 
     def __post_init__(self):
         for op in self.adam_ops:
@@ -72,9 +76,12 @@ class Backend:
     def handles(self, device_type: str) -> bool:
         return ANY_DEVICE in self.device_types or device_type in self.device_types
 
-    def prepare_bucket(self, op: str, lists, chunk_size: int, once: bool = False):
+    def prepare_bucket(self, op: str, lists, chunk_size: int, once: bool = False,
+                       capturable: bool = False):
         """The op bound to one bucket's state lists (a :class:`multi_tensor.schema.AdamLists`
-        without grads)."""
+        without grads); ``capturable``: for a capturable param group (``prepare_capturable``)."""
+        if capturable and self.prepare_capturable is not None:
+            return self.prepare_capturable(op, lists, chunk_size)
         return self.prepare(op, lists, chunk_size, once)
 
 
