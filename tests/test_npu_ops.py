@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fused_optim import FusedAdamW, FusedEmaAdamW
 from multi_tensor import forced_backend, multi_tensor_l2norm, multi_tensor_scale
 from multi_tensor.backends import npu_ops, npu_standin, reference
+from multi_tensor.backends.npu_model import DeviceModel
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 U = 2.0 ** -24
@@ -224,6 +225,44 @@ def test_l2norm_launches_do_not_grow_with_the_number_of_tensors():
         counts.append(rec.ops)
         assert rec.fp64 == [] and rec.reads == 0
     assert len(set(counts)) == 1 and counts[0] < 30
+
+
+def _f32_neighbours(x: float):
+    t = torch.tensor(x, dtype=torch.float32)
+    return [float(torch.nextafter(t, torch.tensor(d))) for d in (0.0, float("inf"))] + [x]
+
+
+@pytest.mark.parametrize("edge", [2.0 ** 40, 2.0 ** -30, 2.0 ** -90])
+def test_norm_flat_scale_at_its_range_edges(edge):
+    # amax on, just below and just above each edge of the scale's ranges: the norm within its
+    # bound (the scale an exact power of two wherever the lookup puts amax), no flag
+    for amax in _f32_neighbours(edge):
+        x = torch.full((3000,), amax / 3, dtype=torch.float32)
+        x[1234] = amax
+        flag = torch.zeros(1, dtype=torch.int32)
+        got = float(npu_ops.norm_flat(x, flag))
+        assert abs(got - oracle([x])) <= bound(x.numel()) * oracle([x]), (amax, got)
+        assert int(flag) == 0
+
+
+def test_norm_flat_picks_its_scale_on_the_device_in_fixed_launches():
+    # the same ops, none a host read, whatever range amax falls in (or inf/NaN)
+    seen = set()
+    npu_ops.norm_flat(torch.ones(3))  # the lookup tables, made once per device
+    for value in (1.0, 2.0 ** 50, 2.0 ** -50, 2.0 ** -120, float("inf"), float("nan")):
+        x = torch.ones(5000)
+        x[17] = value
+        flag = torch.zeros(1, dtype=torch.int32)
+        with DeviceModel() as model:
+            npu_ops.norm_flat(x, flag)
+        summary = model.summary()
+        assert summary.syncs == 0 and summary.fp64_ops == 0
+        seen.add(tuple(sorted(summary.ops.items())))
+    assert len(seen) == 1
+    # the max, the scale (compare, count, lookup) and the flag (test, fill), the scaled
+    # squares (2), the blocked sum of 5000 (blocks, tail, their concatenation, the last sum),
+    # sqrt, unscale
+    assert sum(dict(seen.pop()).values()) == 14
 
 
 def test_fp64_is_refused():

@@ -54,7 +54,7 @@ Numerics (the package's contract is bitwise equality with the reference backend)
   bitwise equal to the unflattened reference (tested). No op runs in fp64 (the AI Core has
   none): sqrt and division are made correctly rounded from fp32 operations
   (:mod:`multi_tensor.backends.fp32_exact`, the device's own sqrt/div only a first guess;
-  about 270 launches per bucket), so on an NPU it is bitwise if the device's fp32 multiply,
+  about 264 launches per bucket), so on an NPU it is bitwise if the device's fp32 multiply,
   add and subtract are IEEE, which ``tools/npu_check.py`` checks. Where ``tools/npu_check.py``
   has shown the device's own fp32 sqrt and division correctly rounded (its check 7, sqrt over
   every positive fp32 with ``--sqrt-exhaustive``), ``MULTI_TENSOR_NPU_IEEE_SQRT_DIV=1``

@@ -10,7 +10,9 @@ op of such a run and records what a 910B would do with it:
   every op whose schema returns only non-writing aliases of its inputs) and allocations
   (``empty*``) are free; ``zeros``/``ones``/``full``/``fill_``/``zero_`` write memory and are a
   launch each. Tensors made from Python scalars on the device (``aten.lift_fresh``, what
-  ``torch.tensor(x, device=d)`` dispatches) are host-to-device copies: one launch each.
+  ``torch.tensor(x, device=d)`` dispatches) are host-to-device copies: one launch each. An op
+  ATen decomposes but torch_npu runs as one kernel (``isfinite``: :data:`NATIVE_COMPOSITES`) is
+  one launch, not its parts.
 * **torch_npu's foreach grouping.** A ``_foreach_*`` op (and
   ``_amp_foreach_non_finite_check_and_unscale_``) over ``n`` tensors is ``ceil(n / group)``
   launches when every tensor of every list argument has one dtype, and ``n`` launches otherwise.
@@ -120,6 +122,13 @@ HOST_FACTORIES = frozenset((
 H2D_OPS = frozenset(("lift_fresh", "lift_fresh_copy", "lift", "scalar_tensor"))
 """A tensor made from host values: one host-to-device copy each."""
 
+NATIVE_COMPOSITES = frozenset(("isfinite",))
+"""Ops ATen decomposes (CompositeImplicitAutograd: on the CPU a dispatch mode sees only their
+parts: ``isfinite`` is ``eq``, ``abs``, ``ne``, ``mul``) that torch_npu runs as one kernel of
+their own: op-plugin's ``op_plugin_functions.yaml`` registers them for the NPU (``isfinite``:
+``aclnnIsFinite``), and a backend's own kernel takes precedence over a composite one. One
+launch each, reading the input and writing the output."""
+
 
 def _is_foreach(name: str) -> bool:
     return name.startswith("_foreach_") or name == "_amp_foreach_non_finite_check_and_unscale_"
@@ -185,6 +194,8 @@ class _HostSide(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         model = self.model
+        if name in NATIVE_COMPOSITES and args and isinstance(args[0], torch.Tensor):
+            return model._native(name, func, args, kwargs)
         if name in SYNC_METHODS and args and isinstance(args[0], torch.Tensor):
             if not model._is_host(args[0]):
                 model._sync(f"Tensor.{name}")
@@ -328,6 +339,23 @@ class DeviceModel(TorchDispatchMode):
     def _sync(self, op: str) -> None:
         if not self._suspended:
             self.syncs.append(Sync(op, self.section))
+
+    def _native(self, name: str, func, args, kwargs):
+        """One of :data:`NATIVE_COMPOSITES`: one launch on device tensors, its parts not
+        counted (on host tensors its parts are host work, as any op's)."""
+        if self._suspended or not self._active or self._is_host(args[0]):
+            return func(*args, **kwargs)
+        self._suspended += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._suspended -= 1
+        inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if not self._is_host(t)]
+        written = list(_tensors([out]))
+        self.launches.append(Launch(
+            name, 1, sum(_nbytes(t) for t in inputs), sum(_nbytes(t) for t in written),
+            any(t.dtype == torch.float64 for t in inputs + written), self.section))
+        return out
 
     def _is_host(self, t: torch.Tensor) -> bool:
         return t in self._host_tensors or (self.host is not None and bool(self.host(t)))

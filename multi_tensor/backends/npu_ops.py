@@ -62,7 +62,7 @@ Core's default INF/NaN mode gives).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -158,22 +158,45 @@ def _blocked_sum(v: torch.Tensor) -> torch.Tensor:
     return v.sum()
 
 
+_RANGES: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _ranges(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The scale's lookup tables on ``device``, made once (no host-to-device copy per step, and
+    none inside a captured graph after the first use).
+
+    ``bounds``: ``amax < bounds`` holds for ``count`` of them, ``count`` = 0 (inf, NaN), 1
+    (above ``2^40``: ``2^40``'s successor is the first bound, so ``amax = 2^40`` itself counts
+    2), 2 (the middle), 3 (below ``2^-30``), 4 (below ``2^-90``). ``scales[:, count]``: ``S``
+    and ``1/S``, exact powers of two."""
+    found = _RANGES.get(device)
+    if found is None:
+        above_big = float(torch.nextafter(torch.tensor(_BIG, dtype=torch.float32),
+                                          torch.tensor(float("inf"))))
+        bounds = torch.tensor([_TINY, _SMALL, above_big, float("inf")], dtype=torch.float32)
+        scales = torch.tensor([[1.0, _DOWN, 1.0, _UP, _UP_MORE],
+                               [1.0, 1.0 / _DOWN, 1.0, 1.0 / _UP, 1.0 / _UP_MORE]],
+                              dtype=torch.float32)
+        found = _RANGES[device] = (bounds.to(device), scales.to(device))
+    return found
+
+
 def norm_flat(x: torch.Tensor, noop_flag: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 L2 norm of the 1-D tensor ``x`` (0-dim), setting ``noop_flag`` if it holds a
-    non-finite value (see the module docstring)."""
+    non-finite value (see the module docstring). The scale is chosen on the device in a fixed
+    five launches (:func:`_ranges`: a comparison with four bounds, their count, a lookup, and
+    for the flag a test of the count and a fill), none of them a host read."""
     x = x if x.dtype == torch.float32 else x.to(torch.float32)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    bounds, scales = _ranges(x.device)
     amax = torch.linalg.vector_norm(x, float("inf"))  # max |x| in one read (NaN propagates)
+    count = torch.lt(amax, bounds).sum()
     if noop_flag is not None:
-        _flag_unless(noop_flag, torch.isfinite(amax))
-    big, small, tiny = amax > _BIG, amax < _SMALL, amax < _TINY
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    s = torch.where(big, _DOWN, torch.where(tiny, _UP_MORE, torch.where(small, _UP, one)))
-    s_inv = torch.where(big, 1.0 / _DOWN,
-                        torch.where(tiny, 1.0 / _UP_MORE, torch.where(small, 1.0 / _UP, one)))
+        noop_flag.masked_fill_(count == 0, 1)
+    s, s_inv = scales.index_select(1, count.reshape(1)).unbind(0)
     y = x * s
-    return torch.sqrt(_blocked_sum(y * y)) * s_inv
+    return torch.sqrt(_blocked_sum(y * y)) * s_inv.reshape(())
 
 
 def _gamma(k: int) -> float:
