@@ -262,6 +262,28 @@ def test_a_mindspeed_build_failure_tries_the_builtin_binding(fake_npu_env, monke
         npu.load_device_op()
 
 
+def test_a_mindspeed_import_failure_tries_the_builtin_binding(fake_npu_env, monkeypatch):
+    # importing MindSpeed's op registers torch ops (and may import torchair): any error there,
+    # not only ImportError, falls back in auto mode
+    import importlib
+    real = importlib.import_module
+
+    def failing_import(name, *args):
+        if name.startswith("mindspeed.ops"):
+            raise RuntimeError("Library mindspeed already defined")
+        return real(name, *args)
+    monkeypatch.setattr(importlib, "import_module", failing_import)
+    monkeypatch.setattr(npu_loader, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn, source = npu.load_device_op()
+    assert source.startswith("multi_tensor") and fn == fake_npu_env.npu_apply_fused_ema_adamw
+    assert any("already defined" in str(w.message) for w in caught)
+    monkeypatch.setenv("MULTI_TENSOR_NPU_BINDING", "mindspeed")
+    with pytest.raises(RuntimeError, match="already defined"):
+        npu.load_device_op()
+
+
 def test_a_binding_that_does_not_load_warns_once_and_the_exact_path_runs(fake_npu_env, monkeypatch):
     monkeypatch.delitem(sys.modules, npu_builder.FusedEmaAdamBuilder.NAME)
 
@@ -339,7 +361,12 @@ def test_library_search_order_follows_torch_npu(tmp_path):
     for name in ("libopapi_nn.so", "libopapi_math.so", "libopapi.so", "libopapi_cv.so.1",
                  "libascendcl.so"):
         touch(home / "lib64" / name)
-    env = dict(os.environ, ASCEND_CUSTOM_OPP_PATH=f"{tmp_path / 'custom_a'}:{tmp_path / 'custom_b'}",
+    custom = f"{tmp_path / 'custom_a'}:{tmp_path / 'custom_b'}"
+    if os.getuid() == 0:  # root never loads another user's library (op-plugin's checkOwner)
+        foreign = touch(tmp_path / "custom_c" / "op_api" / "lib" / "libcust_opapi.so")
+        os.chown(foreign, 54321, 54321)
+        custom += f":{tmp_path / 'custom_c'}"
+    env = dict(os.environ, ASCEND_CUSTOM_OPP_PATH=custom,
                ASCEND_OPP_PATH=str(opp), ASCEND_HOME_PATH=str(home))
     out = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -360,7 +387,8 @@ def test_binding_source_checks_the_contract():
         text = f.read()
     for needle in ("aclnnApplyFusedEmaAdamGetWorkspaceSize", "aclnnApplyFusedEmaAdam\"",
                    "opapi_libs.h", "OpApiSymbol", "OpCommand", "SetCustomHandler", "at::kLong",
-                   "is_contiguous", "PYBIND11_MODULE", "double lr", "bool bias_correction"):
+                   "is_contiguous", "IsBaseFormatType", "PYBIND11_MODULE", "double lr",
+                   "bool bias_correction"):
         assert needle in text, needle
 
 

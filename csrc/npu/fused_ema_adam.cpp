@@ -36,6 +36,7 @@
 #include "acl/acl.h"
 #include "opapi_libs.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
+#include "torch_npu/csrc/framework/FormatHelper.h"
 #include "torch_npu/csrc/framework/OpCommand.h"
 
 namespace {
@@ -136,6 +137,13 @@ void CheckContract(const at::Tensor &grad, const at::Tensor &var, const at::Tens
     TORCH_CHECK(t.sizes() == var.sizes(), "npu_apply_fused_ema_adamw: ", names[i],
                 " has shape ", t.sizes(), " but var has ", var.sizes());
     TORCH_CHECK(t.is_contiguous(), "npu_apply_fused_ema_adamw: ", names[i], " is not contiguous");
+    // the kernel is registered for ND only (ops-nn's apply_fused_ema_adam_def.cpp) and this
+    // binding describes every tensor as ND: a private storage format (FRACTAL_NZ, ...) would be
+    // read as ND, silently wrong
+    TORCH_CHECK(at_npu::native::FormatHelper::IsBaseFormatType(t), "npu_apply_fused_ema_adamw: ",
+                names[i], " is in NPU storage format ",
+                at_npu::native::FormatHelper::GetFormatName(t),
+                "; the operator takes ND (torch_npu.npu_format_cast(t, 2) first)");
   }
   TORCH_CHECK(step.scalar_type() == at::kLong && step.dim() == 1 && step.numel() == 1,
               "npu_apply_fused_ema_adamw: step must be an int64 tensor of shape [1], got ",

@@ -5,7 +5,7 @@
 // torch_npu's op-plugin, op_plugin/utils/op_api_common.cpp (Ascend/op-plugin master, 2026-08):
 // GetOpApiFuncAddr() tries, first hit wins,
 //   1. libcust_opapi.so in each ASCEND_CUSTOM_OPP_PATH entry (":"-separated) + "/op_api/lib/"
-//      (get_custom_lib_path);
+//      (get_custom_lib_path), skipping a file checkOwner refuses (OwnerAllowed; also in 2.);
 //   2. libcust_opapi.so in ASCEND_OPP_PATH/vendors/<vendor>/op_api/lib/ for each vendor of the
 //      "load_priority=" line of ASCEND_OPP_PATH/vendors/config.ini, in that order
 //      (get_default_custom_lib_path);
@@ -17,6 +17,8 @@
 #define MULTI_TENSOR_NPU_OPAPI_LIBS_H_
 
 #include <dlfcn.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -52,13 +54,24 @@ inline bool IsFile(const std::string &path) {
   return std::filesystem::is_regular_file(path, ec);
 }
 
+// Whether a custom op library may be loaded, as op-plugin's checkOwner decides
+// (op_plugin/utils/op_api_common.cpp): a root-owned file always (for any user); otherwise only
+// a file of the current user, and root never loads another user's file.
+inline bool OwnerAllowed(const std::string &path) {
+  struct stat info;
+  if (stat(path.c_str(), &info) != 0) return false;
+  const uid_t me = getuid();
+  if (info.st_uid == 0) return true;
+  return me != 0 && info.st_uid == me;
+}
+
 // The libraries to dlopen, in search order (paths where torch_npu uses paths, else names).
 inline std::vector<std::string> OpApiLibraryCandidates() {
   std::vector<std::string> libs;
   if (const char *custom = std::getenv("ASCEND_CUSTOM_OPP_PATH")) {
     for (const std::string &dir : SplitList(custom, ':')) {
       std::string lib = dir + "/op_api/lib/" + kCustOpApiLib;
-      if (IsFile(lib)) libs.push_back(lib);
+      if (IsFile(lib) && OwnerAllowed(lib)) libs.push_back(lib);
     }
   }
   if (const char *opp = std::getenv("ASCEND_OPP_PATH")) {
@@ -70,7 +83,7 @@ inline std::vector<std::string> OpApiLibraryCandidates() {
       if (line.compare(0, head.size(), head) == 0) {
         for (const std::string &vendor : SplitList(line.substr(head.size()), ',')) {
           std::string lib = vendors + "/" + vendor + "/op_api/lib/" + kCustOpApiLib;
-          if (IsFile(lib)) libs.push_back(lib);
+          if (IsFile(lib) && OwnerAllowed(lib)) libs.push_back(lib);
         }
         break;
       }

@@ -14,7 +14,7 @@ apply_fused_ema_adam_def.cpp`` registers the AI Core kernel for the SoC families
 (Atlas A2), ``ascend910_93`` (Atlas A3) and ``ascend950`` (``this->AICore().AddConfig(...)``).
 The names ``torch_npu.npu.get_device_name()`` returns for them (``aclrtGetSocName``) are listed in
 torch_npu's ``torch_npu/csrc/core/npu/NpuVariables.cpp`` (``socVersionMap``: ``Ascend910B1`` ..
-``Ascend910B4``, ``Ascend910B2C``, ``Ascend910B4-1``, ``Ascend910_9391`` .. ``Ascend910_9361``) and,
+``Ascend910B4``, ``Ascend910B2C``, ``Ascend910B4-1``, ``Ascend910_9391`` .. ``Ascend910_9363``) and,
 for the 950 family, in CANN's SoC tables (``Ascend910_950x/y/z``, ``Ascend910_957x``,
 ``Ascend910_958x``, ``Ascend910_959x``, grouped there as ``ascend910_95``). The bare name
 ``Ascend910B`` is the first-generation Ascend 910 (CANN maps ``ascend910b`` to the ``ascend910``
@@ -37,7 +37,7 @@ import torch
 
 SUPPORTED_CHIPS = re.compile(
     r"^(Ascend910B[1-4]"        # Atlas A2: Ascend910B1..B4, Ascend910B2C, Ascend910B4-1
-    r"|Ascend910_93\w*"         # Atlas A3: Ascend910_9391, _9392, _9381, _9382, _9372, _9362, _9361
+    r"|Ascend910_93\w*"         # Atlas A3: Ascend910_9391, _9392, _9381, _9382, _9372, _9362, _9363
     r"|Ascend910_95\w*"         # Ascend 950: Ascend910_950z, _9579, _957b, _9581, _9589, _9599, ...
     r"|Ascend950\w*)")
 """``torch_npu.npu.get_device_name()`` of chips with ``aclnnApplyFusedEmaAdam`` (module docstring)."""
@@ -95,9 +95,13 @@ def load_device_op() -> Tuple[Callable, str]:
             import importlib
 
             module = importlib.import_module("mindspeed.ops.npu_apply_fused_ema_adamw")
-        except ImportError:
+        except Exception as exc:  # importing it registers torch ops and may import torchair
             if which == "mindspeed":
                 raise
+            if not isinstance(exc, ImportError):
+                _warn_once("mindspeed-import", f"multi_tensor NPU backend: importing MindSpeed's "
+                           f"npu_apply_fused_ema_adamw failed ({type(exc).__name__}: {exc}); "
+                           f"trying this package's binding")
         else:
             builder = getattr(module, "fused_ema_adamw_op_builder", None)
             try:
