@@ -303,16 +303,8 @@ class DeviceModel(TorchDispatchMode):
         def op(grad, var, m, v, s, *args, **kwargs):
             if not self._active or self._suspended:
                 return fn(grad, var, m, v, s, *args, **kwargs)
-            tensors = (grad, var, m, v, s)
-            self.launches.append(Launch(
-                CANN_OP, 1, sum(_nbytes(t) for t in tensors),
-                sum(_nbytes(t) for t in tensors[1:]),
-                any(t.dtype == torch.float64 for t in tensors), self.section))
-            self._suspended += 1
-            try:
-                return fn(grad, var, m, v, s, *args, **kwargs)
-            finally:
-                self._suspended -= 1
+            self._add_launch(CANN_OP, 1, [grad, var, m, v, s], [var, m, v, s])
+            return self._unrecorded(fn, grad, var, m, v, s, *args, **kwargs)
 
         return op
 
@@ -345,17 +337,26 @@ class DeviceModel(TorchDispatchMode):
         counted (on host tensors its parts are host work, as any op's)."""
         if self._suspended or not self._active or self._is_host(args[0]):
             return func(*args, **kwargs)
+        out = self._unrecorded(func, *args, **kwargs)
+        inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if not self._is_host(t)]
+        self._add_launch(name, 1, inputs, list(_tensors([out])))
+        return out
+
+    def _unrecorded(self, fn: Callable, *args, **kwargs):
+        """``fn`` run with recording suspended (a kernel's insides are not launches)."""
         self._suspended += 1
         try:
-            out = func(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             self._suspended -= 1
-        inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if not self._is_host(t)]
-        written = list(_tensors([out]))
+
+    def _add_launch(self, name: str, count: int, inputs: List[torch.Tensor],
+                    written: List[torch.Tensor]) -> None:
+        """One record: ``count`` launches reading ``inputs`` and writing ``written``; fp64 if
+        any of them is fp64."""
         self.launches.append(Launch(
-            name, 1, sum(_nbytes(t) for t in inputs), sum(_nbytes(t) for t in written),
+            name, count, sum(_nbytes(t) for t in inputs), sum(_nbytes(t) for t in written),
             any(t.dtype == torch.float64 for t in inputs + written), self.section))
-        return out
 
     def _is_host(self, t: torch.Tensor) -> bool:
         return t in self._host_tensors or (self.host is not None and bool(self.host(t)))
@@ -414,7 +415,6 @@ class DeviceModel(TorchDispatchMode):
             return
         # host tensors among the inputs are host scalars handed to the kernel
         inputs = [t for t in inputs if not self._is_host(t)]
-        everything = inputs + written
         count = 1
         if _is_foreach(name):
             lists = [v for v in list(args) + list(kwargs.values())
@@ -425,9 +425,7 @@ class DeviceModel(TorchDispatchMode):
             count = math.ceil(n / group) if len(dtypes) <= 1 else n
             if count == 0:
                 return
-        self.launches.append(Launch(
-            name, count, sum(_nbytes(t) for t in inputs), sum(_nbytes(t) for t in written),
-            any(t.dtype == torch.float64 for t in everything), self.section))
+        self._add_launch(name, count, inputs, written)
 
 
 # --- the six scenarios of issue 16 ---------------------------------------------------------------
