@@ -17,7 +17,7 @@ silent pure-Python install.
 
 What gets built: the native CPU backend (``csrc/cpu``) compiled three times from the same sources
 into ``multi_tensor._C_avx512``, ``multi_tensor._C_avx2`` and ``multi_tensor._C_default``; at
-import ``multi_tensor.backends.native_cpu`` picks the best one that
+import ``multi_tensor.backends.cpu`` picks the best one that
 ``torch.backends.cpu.get_cpu_capability()`` allows (``ATEN_CPU_CAPABILITY`` is honoured). No
 ``-march=native``: one build runs on any x86-64 CPU.
 
@@ -146,7 +146,10 @@ setup(
     name="fused-optim",
     version="0.1.0",
     description="apex-style fused multi-tensor optimizers (AdamW + EMA) for PyTorch",
-    packages=find_packages(include=["multi_tensor*", "fused_optim*"]),
+    # multi_tensor.testing (the NPU stand-in and the simulated 910B) serves the tests and tools of
+    # a checkout; the package never imports it, so the wheel leaves it out.
+    packages=find_packages(include=["multi_tensor*", "fused_optim*"],
+                           exclude=["multi_tensor.testing", "multi_tensor.testing.*"]),
     python_requires=">=3.9",
     install_requires=[],  # torch must already be installed; never list it here
     ext_modules=ext_modules,

@@ -278,7 +278,7 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         """``torch.optim.Optimizer.zero_grad``, keeping flat grad buffers.
 
         Params whose ``.grad`` a backend keeps as a view of one flat buffer (the NPU backend's
-        buckets, :class:`multi_tensor.backends.flat.FlatGrads`): the buffer is zeroed, one launch
+        buckets, :class:`multi_tensor.backends.npu.flat.FlatGrads`): the buffer is zeroed, one launch
         per bucket, and the grads are set to None (``set_to_none``) or to their zero views, as
         torch leaves them; backward's grad hook gives a param its zero view back when a grad
         arrives, so the grads accumulate into the buffer in place. Every other param: as torch.

@@ -107,7 +107,7 @@ class ClippingMixin:
 
     def _bucket_square_or_norm(self, bucket, quick: bool) -> tuple:
         """``(fp32 device value, quick)``: the bucket's grad norm (``quick``: the one-read
-        :func:`~multi_tensor.backends.npu_ops.quick_norm` of its flat grads, where the bucket
+        :func:`~multi_tensor.backends.npu.ops.quick_norm` of its flat grads, where the bucket
         offers it; never for a sharded bucket, whose ranks must all make the same collective
         calls), or for a sharded bucket the squared norm summed over its ranks."""
         total = None
@@ -223,7 +223,7 @@ def _f32_div(a: float, b: float) -> float:
 
 def _trusted(value: float, squared: bool) -> bool:
     """Whether a quick norm (or its square summed over shards) is used as it is."""
-    from multi_tensor.backends import npu_ops
+    from multi_tensor.backends.npu import ops as npu_ops
     low = npu_ops.QUICK_MIN ** 2 if squared else npu_ops.QUICK_MIN
     return math.isfinite(value) and value >= low
 
@@ -231,7 +231,8 @@ def _trusted(value: float, squared: bool) -> bool:
 def _fp32_norm(totals, device) -> torch.Tensor:
     """The global norm from the buckets' fp32 norms, without fp64 (see ``_grad_norm``): one
     unsharded bucket's norm as it is (as the host path, whose ``sqrt(fsum([n * n]))`` is ``n``)."""
-    from multi_tensor.backends import fp32_exact, npu_ops
+    from multi_tensor.backends.npu import fp32_exact
+    from multi_tensor.backends.npu import ops as npu_ops
 
     if len(totals) == 1 and totals[0][1] is None:
         return totals[0][0].to(dtype=torch.float32, device=device).reshape(())

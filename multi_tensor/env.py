@@ -36,7 +36,7 @@ def report() -> str:
     import torch
 
     from . import backends
-    from .backends import native_cpu
+    from .backends import cpu as native_cpu
 
     lines = [f"python            {sys.version.split()[0]}",
              f"torch             {torch.__version__}"]

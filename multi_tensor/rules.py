@@ -127,7 +127,7 @@ def sma_sums(beta2: float, n: int) -> tuple:
     followed by one of length ``b`` has ``G = G_a + beta2**a * G_b`` and
     ``K = K_a + beta2**a * (K_b + a * G_b)``. Every term is positive, so the relative error
     stays within a few ulps per doubling (no cancellation), with only correctly rounded ``+ *``:
-    a device computes the same bits (``_sma_sums`` in multi_tensor/backends/triton_kernels.py).
+    a device computes the same bits (``_sma_sums`` in multi_tensor/backends/triton/kernels.py).
     """
     rp, rg, rk, rl = 1.0, 0.0, 0.0, 0.0          # the result: beta2**len, G, K, len
     bp, bg, bk, bl = float(beta2), 1.0, 1.0, 1.0  # the run of length 2**i

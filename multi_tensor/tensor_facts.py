@@ -100,7 +100,7 @@ def _mod():
     backends' modules import this one while the native backend itself is being loaded."""
     global _NATIVE
     if _NATIVE is _UNSET:
-        from .backends import native_cpu
+        from .backends import cpu as native_cpu
         mod = native_cpu.loaded_module
         _NATIVE = mod if mod is not None and hasattr(mod, "same_objects") else None
     return _NATIVE

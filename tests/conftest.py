@@ -21,6 +21,7 @@ import multi_tensor  # noqa: E402
 from multi_tensor.backends import forced_backend  # noqa: E402
 
 BACKENDS = ("reference", "native_cpu")
+MODULES = {"native_cpu": "cpu"}  # registered name -> module under multi_tensor.backends
 
 
 def registered_backend_names():
@@ -28,10 +29,10 @@ def registered_backend_names():
 
 
 def _why_not_registered(name: str) -> str:
-    module = getattr(multi_tensor.backends, name, None)
+    module = getattr(multi_tensor.backends, MODULES.get(name, name), None)
     error = getattr(module, "load_error", None) if module is not None else None
     if module is None:
-        why = f"multi_tensor.backends.{name} could not be imported"
+        why = f"multi_tensor.backends.{MODULES.get(name, name)} could not be imported"
     elif error:
         why = f"its extension did not load: {error}"
     else:
@@ -52,4 +53,4 @@ def backend(request):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "npu_sim: the simulated Ascend 910B (multi_tensor/backends/npu_model.py)")
+        "markers", "npu_sim: the simulated Ascend 910B (multi_tensor/testing/npu_model.py)")

@@ -9,7 +9,7 @@ import torch
 
 import apex_lists_cases as A
 import backend_cases as C
-from multi_tensor.backends import npu_standin
+from multi_tensor.testing import npu_standin
 
 BACKENDS = [name for name in C.backend_names() if C.backend_skip_reason(name) is None]
 

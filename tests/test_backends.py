@@ -36,7 +36,8 @@ import torch
 import backend_cases as C
 import multi_tensor
 from multi_tensor import build, rules, schema
-from multi_tensor.backends import backend_for, forced_backend, native_cpu
+from multi_tensor.backends import backend_for, forced_backend
+from multi_tensor.backends import cpu as native_cpu
 from seed_reference import assert_bitwise_equal, assert_close64
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -538,7 +539,7 @@ def _subprocess(code, *args, **env):
 _ISA_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
 _ISA_CODE = (
     "import sys, torch, backend_cases as C\n"
-    "from multi_tensor.backends import native_cpu\n"
+    "from multi_tensor.backends import cpu as native_cpu\n"
     "print(native_cpu.capability)\n"
     "torch.save(C.isa_sweep('native_cpu'), sys.argv[1])\n"
 )
@@ -613,7 +614,7 @@ def test_env_report_runs():
 
 
 def test_disable_native_env_falls_back_silently():
-    r = _subprocess("import multi_tensor; from multi_tensor.backends import native_cpu;"
+    r = _subprocess("import multi_tensor; from multi_tensor.backends import cpu as native_cpu;"
                     "print('native_cpu' in [b.name for b in multi_tensor.registered_backends()],"
                     " multi_tensor.backend_for('radam_ema', 'cpu').name, native_cpu.loaded_module)",
                     MULTI_TENSOR_DISABLE_NATIVE="1")

@@ -104,7 +104,7 @@ def _equal(a, b, what):
 
 
 def _assert_native(opt):
-    from multi_tensor.backends import native_cpu
+    from multi_tensor.backends import cpu as native_cpu
     if native_cpu.loaded_module is None:
         # only a build without the extension, on purpose, may skip the check
         assert os.environ.get("FUSED_OPTIM_NO_EXT") == "1", native_cpu.load_error

@@ -1,4 +1,4 @@
-"""multi_tensor.backends.fp32_exact: correctly rounded fp32 sqrt/div from fp32 ops, bitwise.
+"""multi_tensor.backends.npu.fp32_exact: correctly rounded fp32 sqrt/div from fp32 ops, bitwise.
 
 Oracles (independent of the code under test): numpy's float32 ``sqrt`` / ``divide`` (the
 hardware's IEEE instructions) and the float64 result rounded once to float32 (exact for both:
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from multi_tensor.backends import fp32_exact as fe
+from multi_tensor.backends.npu import fp32_exact as fe
 
 F32, I32 = torch.float32, torch.int32
 CHUNK = 1 << 22

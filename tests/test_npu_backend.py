@@ -1,4 +1,4 @@
-"""The NPU backend's whole path on CPU tensors (multi_tensor.backends.npu_standin).
+"""The NPU backend's whole path on CPU tensors (multi_tensor.testing.npu_standin).
 
 The stand-in registers a copy of the NPU backend for device type "cpu" (removed after each test)
 whose device operator is the reference's seed operator. Everything but CANN itself runs here:
@@ -17,7 +17,9 @@ import helpers
 
 from fused_optim import FusedAdam, FusedEmaAdamW, FusedRAdam
 from multi_tensor import forced_backend, multi_tensor_fused_ema_adamw, rules
-from multi_tensor.backends import flat, npu, npu_standin
+from multi_tensor.backends import npu
+from multi_tensor.backends.npu import flat
+from multi_tensor.testing import npu_standin
 from multi_tensor.schema import AdamLists
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -369,7 +371,7 @@ def test_only_empty_tensors(standin):
 
 
 def test_torch_path_in_slices_is_still_bitwise(standin, monkeypatch):
-    monkeypatch.setattr(npu, "TORCH_PATH_SLICE", 100)
+    monkeypatch.setattr(npu.bucket, "TORCH_PATH_SLICE", 100)
     pa, oa = train(STANDIN, dtype=BF16, master_weights=True, steps=4)
     pb, ob = train("reference", dtype=BF16, master_weights=True, steps=4)
     assert_same(pa, oa, pb, ob)
@@ -492,7 +494,7 @@ def test_cann_check_finite_skips_the_step():
 
 
 def test_cann_splits_huge_buckets_into_launches(monkeypatch):
-    monkeypatch.setattr(npu, "MAX_LAUNCH_NUMEL", 128)
+    monkeypatch.setattr(npu.bucket, "MAX_LAUNCH_NUMEL", 128)
     rec = Recorder()
     with npu_standin.standin_backend(rec, mode="cann"):
         pa, oa = train(STANDIN, steps=1)

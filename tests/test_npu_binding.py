@@ -26,7 +26,10 @@ import torch
 
 from fused_optim import FusedEmaAdamW
 from multi_tensor import forced_backend
-from multi_tensor.backends import npu, npu_builder, npu_loader, npu_standin
+from multi_tensor.backends import npu
+from multi_tensor.backends.npu import builder as npu_builder
+from multi_tensor.backends.npu import loader as npu_loader
+from multi_tensor.testing import npu_standin
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = "npu_standin"
@@ -214,7 +217,7 @@ def test_a_binding_whose_first_call_raises_warns_once_and_the_exact_path_runs(fa
                                                                               monkeypatch):
     binding = RaisingBinding()
     monkeypatch.setitem(sys.modules, npu_builder.FusedEmaAdamBuilder.NAME, binding)
-    monkeypatch.setattr(npu, "_warned", set())
+    monkeypatch.setattr(npu.modes, "_warned", set())
     params = [torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(3, 3))]
     ref, ref_opt = reference_steps(params, steps=3)
     with npu_standin.standin_backend(None, mode="cann"):
@@ -290,7 +293,7 @@ def test_a_binding_that_does_not_load_warns_once_and_the_exact_path_runs(fake_np
     def broken_load(self, verbose=False):
         raise RuntimeError("no CANN headers")
     monkeypatch.setattr(npu_builder.FusedEmaAdamBuilder, "load", broken_load)
-    monkeypatch.setattr(npu, "_warned", set())
+    monkeypatch.setattr(npu.modes, "_warned", set())
     params = [torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(3, 3))]
     with npu_standin.standin_backend(None, mode="cann"):
         with warnings.catch_warnings(record=True) as caught:

@@ -17,7 +17,8 @@ import torch
 
 from fused_optim import FusedEmaAdamW
 from multi_tensor import forced_backend
-from multi_tensor.backends import npu, npu_standin
+from multi_tensor.backends import npu
+from multi_tensor.testing import npu_standin
 from test_npu_backend import STANDIN, buckets, grads_for, make_params, train
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -80,7 +81,7 @@ def _run(op, dtype, *, steps=5, cancel=3, max_grad_norm=None, scaler=True, slice
     found_inf is set when ``scaler``). Returns the params, the optimizer, the state before the
     cancelled step."""
     if slice_ is not None:
-        monkeypatch.setattr(npu, "SKIP_SLICE", slice_)
+        monkeypatch.setattr(npu.bucket, "SKIP_SLICE", slice_)
     before = None
     with npu_standin.standin_backend(op, mode="cann") as backend:
         params = make_params(dtype)
@@ -226,7 +227,7 @@ def test_state_dict_round_trip_keeps_the_device_count():
 def test_a_cancelled_step_reads_nothing_and_launches_what_any_step_does(max_grad_norm, scaler):
     # the simulated 910B around a normal and a cancelled step: no host read in either, the same
     # launches (nothing branches on the flag), so one captured graph serves both
-    from multi_tensor.backends.npu_model import DeviceModel
+    from multi_tensor.testing.npu_model import DeviceModel
 
     summaries = []
     model = DeviceModel()

@@ -1,8 +1,8 @@
-"""Zero-copy flat buckets of the NPU backend, on CPU tensors (multi_tensor.backends.npu_standin).
+"""Zero-copy flat buckets of the NPU backend, on CPU tensors (multi_tensor.testing.npu_standin).
 
 An optimizer's NPU bucket moves its params into one flat buffer per dtype and makes their grads
 views of one flat grad buffer that backward accumulates into and ``zero_grad`` keeps
-(multi_tensor.backends.flat: ``repoint_params``, ``FlatGrads``). What is checked here:
+(multi_tensor.backends.npu.flat: ``repoint_params``, ``FlatGrads``). What is checked here:
 
 * torch's semantics hold with real backward passes: a param that received no grad since
   ``zero_grad(set_to_none=True)`` is skipped exactly as a ``None`` grad (bitwise against the
@@ -29,7 +29,10 @@ import helpers
 
 from fused_optim import FusedAdam, FusedEmaAdamW
 from multi_tensor import forced_backend, multi_tensor_fused_ema_adamw
-from multi_tensor.backends import flat, npu, npu_ops, npu_standin
+from multi_tensor.backends import npu
+from multi_tensor.backends.npu import flat
+from multi_tensor.backends.npu import ops as npu_ops
+from multi_tensor.testing import npu_standin
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 SHAPES = ((3, 5), (130,), (1,), (7, 3, 2), (257,), (0,))
@@ -427,8 +430,8 @@ def test_the_devices_own_sqrt_and_div_when_they_are_ieee(monkeypatch, standin, c
 def test_the_device_sqrt_div_switch_reads_its_environment(monkeypatch):
     monkeypatch.setenv(npu.IEEE_ENV, "2")
     with pytest.raises(ValueError, match=npu.IEEE_ENV):
-        npu._env_flag(npu.IEEE_ENV)
+        npu.modes._env_flag(npu.IEEE_ENV)
     monkeypatch.setenv(npu.IEEE_ENV, "1")
-    assert npu._env_flag(npu.IEEE_ENV)
+    assert npu.modes._env_flag(npu.IEEE_ENV)
     monkeypatch.delenv(npu.IEEE_ENV)
-    assert not npu._env_flag(npu.IEEE_ENV)
+    assert not npu.modes._env_flag(npu.IEEE_ENV)

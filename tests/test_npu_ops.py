@@ -1,4 +1,4 @@
-"""The NPU backend's own scale and l2norm (multi_tensor.backends.npu_ops), and fp32 clipping.
+"""The NPU backend's own scale and l2norm (multi_tensor.backends.npu.ops), and fp32 clipping.
 
 ``scale`` is bitwise the reference's; ``l2norm`` is within the bound its module docstring
 states of an fp64 oracle (numpy), deterministic and independent of how a buffer is split into
@@ -18,8 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_optim import FusedAdamW, FusedEmaAdamW
 from multi_tensor import forced_backend, multi_tensor_l2norm, multi_tensor_scale
-from multi_tensor.backends import npu_ops, npu_standin, reference
-from multi_tensor.backends.npu_model import DeviceModel
+from multi_tensor.backends import reference
+from multi_tensor.backends.npu import ops as npu_ops
+from multi_tensor.testing import npu_standin
+from multi_tensor.testing.npu_model import DeviceModel
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 U = 2.0 ** -24
@@ -414,7 +416,7 @@ MAXES = (0.5, 1.0, 1e-3, 3.0, 1e30)
 
 def _device_formula(norm, scale, max_grad_norm):
     """The fp32 device formula of ClippingMixin._unscale_factor (fp32_exact's division)."""
-    from multi_tensor.backends import fp32_exact
+    from multi_tensor.backends.npu import fp32_exact
     div = fp32_exact.scalar_div
     n = torch.tensor(norm, dtype=F32)
     s = None if scale is None else torch.tensor(scale, dtype=F32)

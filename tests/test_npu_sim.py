@@ -1,4 +1,4 @@
-"""The simulated Ascend 910B (multi_tensor/backends/npu_model.py) and issue 16's scenarios.
+"""The simulated Ascend 910B (multi_tensor/testing/npu_model.py) and issue 16's scenarios.
 
 First the model itself: launches (views free, torch_npu's foreach grouping), bytes, host syncs,
 fp64 ops and the CANN-operator wrapper, each on tensors made for the case. Then the scenarios:
@@ -17,8 +17,9 @@ import math
 import pytest
 import torch
 
-from multi_tensor.backends import npu_model, npu_ops
-from multi_tensor.backends.npu_model import DeviceModel
+from multi_tensor.testing import npu_model
+from multi_tensor.backends.npu import ops as npu_ops
+from multi_tensor.testing.npu_model import DeviceModel
 
 pytestmark = pytest.mark.npu_sim
 

@@ -22,7 +22,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from multi_tensor.backends import npu_standin
+from multi_tensor.testing import npu_standin
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))

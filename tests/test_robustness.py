@@ -80,7 +80,7 @@ def test_bad_noop_flag_is_refused(backend, flag, exc, match):
 
 def test_direct_native_call_with_an_empty_grad_scale_raises():
     """The C++ side checks too: a direct call must raise, not read a null pointer."""
-    from multi_tensor.backends import native_cpu
+    from multi_tensor.backends import cpu as native_cpu
     if native_cpu.loaded_module is None:
         pytest.skip("native CPU backend not built")
     lists = _adam_lists()

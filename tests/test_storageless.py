@@ -88,7 +88,7 @@ def test_optimizer_runs_dtensor_params_on_their_local_shards_natively(mesh):
     """A sharded param (what FSDP2 hands the optimizer) steps on the native kernel through its
     local shard, exactly like a plain one; its state stays a DTensor sharded alike. A plain grad
     for a sharded param is rejected naming it, before anything changes."""
-    from multi_tensor.backends import native_cpu
+    from multi_tensor.backends import cpu as native_cpu
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)

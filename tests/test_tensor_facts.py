@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from multi_tensor import tensor_facts
-from multi_tensor.backends import native_cpu
+from multi_tensor.backends import cpu as native_cpu
 
 native = pytest.mark.skipif(tensor_facts._mod() is None,
                             reason=f"the native extension did not load: {native_cpu.load_error}")

@@ -51,7 +51,8 @@ def test_without_triton_the_reference_runs_after_one_warning():
         sys.modules["triton"] = None  # import triton -> ImportError
         import torch
         from multi_tensor import rules
-        from multi_tensor.backends import reference, registry, triton_gpu
+        from multi_tensor.backends import reference, registry
+        from multi_tensor.backends import triton as triton_gpu
         from multi_tensor.ops import named_lists
 
         def lists():

@@ -90,7 +90,7 @@ STEPS = (1, 6)  # RAdam with beta2 = 0.999: un-rectified at step 1..5, rectified
 # helpers (run in the subprocess)
 
 def _k():
-    from multi_tensor.backends import triton_gpu
+    from multi_tensor.backends import triton as triton_gpu
     k = triton_gpu.kernels()
     assert k is not None, triton_gpu.load_error
     return k
@@ -343,7 +343,7 @@ def _chunk_alignment_case(dtype: str, row: int, moved: str):
     would read re-derived (rounded-down) offsets, so the bitwise comparison also checks the
     branch taken. Rebound to aligned grads, a grads-only misalignment leaves the bucket fully
     aligned (no branch)."""
-    from multi_tensor.backends.triton_kernels import ALIGN_ALL, ALIGN_CHUNK
+    from multi_tensor.backends.triton.kernels import ALIGN_ALL, ALIGN_CHUNK
     k = _k()
     op = "fused_ema_adamw"
     h = _hyper(op)
@@ -500,7 +500,7 @@ for _s in (F32, F16, BF16, F64):
     for _d in (F32, F16, BF16, F64):
         @case(f"scale-{str(_s)[6:]}-{str(_d)[6:]}")
         def _scale(sdt=_s, ddt=_d):
-            from multi_tensor.backends import triton_gpu
+            from multi_tensor.backends import triton as triton_gpu
             gen = torch.Generator().manual_seed(5)
             shapes = ((0,), (5,), (3000,), (4, 7))
             srcs = [(torch.randn(s, generator=gen, dtype=F64) * 1e3).to(sdt) for s in shapes]
@@ -523,7 +523,7 @@ for _s in (F32, F16, BF16, F64):
 for _dt in (F32, F16, BF16, F64):
     @case(f"l2norm-{str(_dt)[6:]}")
     def _l2norm(dt=_dt):
-        from multi_tensor.backends import triton_gpu
+        from multi_tensor.backends import triton as triton_gpu
         gen = torch.Generator().manual_seed(6)
         shapes = ((0,), (5,), (9000,), (4, 7), (1,))
         ts = [torch.randn(s, generator=gen, dtype=F64).to(dt) for s in shapes]
@@ -551,7 +551,7 @@ for _dt in (F32, F16, BF16, F64):
 
 @case("l2norm-empty-and-mixed")
 def _l2norm_mixed():
-    from multi_tensor.backends import triton_gpu
+    from multi_tensor.backends import triton as triton_gpu
     total, per = triton_gpu.l2norm(64, torch.zeros(1, dtype=torch.int32), [[]], True)
     assert float(total) == 0.0 and per.numel() == 0
     ts = [torch.full((10,), 3.0), torch.full((10,), 4.0, dtype=BF16),
@@ -564,7 +564,7 @@ def _l2norm_mixed():
 
 def _cpu_clone_backend():
     """The triton backend, registered for CPU tensors (interpreter) under another name."""
-    from multi_tensor.backends import triton_gpu
+    from multi_tensor.backends import triton as triton_gpu
     return registry.register_backend(registry.Backend(
         name="triton_interp", device_types=("cpu",), priority=1000,
         ops={"scale": triton_gpu.scale, "l2norm": triton_gpu.l2norm},
@@ -824,7 +824,7 @@ class _HostSteps:
 
 
 def _host_steps_backend():
-    from multi_tensor.backends import triton_gpu
+    from multi_tensor.backends import triton as triton_gpu
     return registry.register_backend(registry.Backend(
         name="triton_interp_host_steps", device_types=("cpu",), priority=999,
         ops={"scale": triton_gpu.scale, "l2norm": triton_gpu.l2norm},
@@ -1191,7 +1191,7 @@ def _grad_norm_kept():
     """AdamBucket.grad_norm keeps its l2norm table while the grads stay where they are, makes
     a new one when they move, and gives l2norm's bits."""
     k = _k()
-    from multi_tensor.backends import triton_gpu
+    from multi_tensor.backends import triton as triton_gpu
     op = "adam"
     lists = make_lists(op, "fp32", SHAPES)
     bucket = k.AdamBucket(op, named_lists(op, lists).state(), 2048)
@@ -1219,7 +1219,7 @@ class _launches:
     """Records the launches of triton_host (kernel name, ALIGN mode, the list base tensors)."""
 
     def __enter__(self):
-        from multi_tensor.backends import triton_host
+        from multi_tensor.backends.triton import host as triton_host
         self.host, self.saved, self.seen = triton_host, triton_host._launch, []
 
         def record(kernel, grid, device, *args, **kwargs):
@@ -1245,8 +1245,8 @@ def _scale_one_unaligned(sdt, ddt):
     128-bit path would read rounded-down offsets), a NaN in the misaligned view found. Fully
     aligned lists: ALIGN_ALL (ALIGN_CHUNK with a chunk size that is not a multiple of 16);
     every src misaligned: ALIGN_NONE; the same bits each time."""
-    from multi_tensor.backends import triton_gpu
-    from multi_tensor.backends.triton_kernels import ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE
+    from multi_tensor.backends import triton as triton_gpu
+    from multi_tensor.backends.triton.kernels import ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE
     gen = torch.Generator().manual_seed(7)
     shapes = ((3000,), (5,), (2048,), (4, 7), (1030,))
     base = [(torch.randn(s, generator=gen, dtype=F64) * 1e3).to(sdt) for s in shapes]
@@ -1300,8 +1300,8 @@ def _l2norm_one_unaligned(dt):
     tests; the bits of the same values in aligned tensors (ALIGN_ALL) and all misaligned
     (ALIGN_NONE), so the sum does not depend on the path, and the reference's bits; an inf in
     the misaligned view found."""
-    from multi_tensor.backends import triton_gpu
-    from multi_tensor.backends.triton_kernels import ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE
+    from multi_tensor.backends import triton as triton_gpu
+    from multi_tensor.backends.triton.kernels import ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE
     gen = torch.Generator().manual_seed(8)
     # 9000: two whole 4096-blocks and a tail; 8193: a one-element block
     shapes = ((9000,), (5,), (4096,), (4, 7), (8193,), (0,))

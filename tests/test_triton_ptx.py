@@ -30,7 +30,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled",
                 allow_module_level=True)
 
-from multi_tensor.backends import triton_aot as K  # noqa: E402
+from multi_tensor.backends.triton import aot as K  # noqa: E402
 
 VARIANTS = K.aot_variants()
 FORBIDDEN = {

@@ -46,8 +46,8 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled",
                 allow_module_level=True)
 
-from multi_tensor.backends import triton_aot as K  # noqa: E402
-from multi_tensor.backends.triton_kernels import ELEMENT_SIZE  # noqa: E402
+from multi_tensor.backends.triton import aot as K  # noqa: E402
+from multi_tensor.backends.triton.kernels import ELEMENT_SIZE  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 if not os.path.exists(PTXAS):

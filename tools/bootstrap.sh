@@ -49,5 +49,5 @@ fi
 "$PYTHON" -m multi_tensor.env | sed 's/^/bootstrap: /'
 if [[ "${FUSED_OPTIM_NO_EXT:-0}" == "0" ]]; then
     # The kernels must have built: a silent fallback would hide a broken build.
-    "$PYTHON" -c "import multi_tensor.backends.native_cpu as n, sys; sys.exit(0 if n.loaded_module else 'bootstrap: the native CPU extension did not build/load: %s' % n.load_error)"
+    "$PYTHON" -c "import multi_tensor.backends.cpu as n, sys; sys.exit(0 if n.loaded_module else 'bootstrap: the native CPU extension did not build/load: %s' % n.load_error)"
 fi

@@ -1,4 +1,4 @@
-"""Check multi_tensor.backends.fp32_exact.sqrt against numpy on every positive fp32, in chunks.
+"""Check multi_tensor.backends.npu.fp32_exact.sqrt against numpy on every positive fp32, in chunks.
 
     python tools/fp32_exact_check.py [--ulps N] [--chunk-log2 24] [--start HEX] [--stop HEX]
 
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from multi_tensor.backends import fp32_exact  # noqa: E402
+from multi_tensor.backends.npu import fp32_exact  # noqa: E402
 
 LAST_FINITE = 0x7F7FFFFF
 

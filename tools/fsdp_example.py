@@ -172,7 +172,7 @@ def main():
                 model).items()})  # a collective too
             raw_loss = loss_of(raw, idx, target).item()
 
-        from multi_tensor.backends import native_cpu
+        from multi_tensor.backends import cpu as native_cpu
         prepared = {type(b.prepared).__module__ + "." + type(b.prepared).__name__
                     for plan in opt._plans.values() for b in plan.buckets}
         if rank == 0:

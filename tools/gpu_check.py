@@ -230,7 +230,7 @@ def bench_workload(name, shapes, dtype, copy_gbs, iters, baseline, graph_too=Fal
 
 def block_sweep(shapes, configs, iters=5):
     """Our step time on ``shapes`` for (BLOCK, num_warps) configurations (defaults restored)."""
-    from multi_tensor.backends import triton_host as K  # the launches read BLOCK and NUM_WARPS there
+    from multi_tensor.backends.triton import host as K  # the launches read BLOCK and NUM_WARPS there
     saved = (K.BLOCK, K.NUM_WARPS)
     out = []
     try:

@@ -28,7 +28,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # GPU check does not need it): use a prebuilt one if it imports, else disable it.
 export FUSED_OPTIM_NO_JIT=1
 if ! MULTI_TENSOR_DISABLE_NATIVE=0 "$PYTHON" -W ignore -c \
-    "import sys, multi_tensor.backends.native_cpu as n; sys.exit(0 if n.loaded_module else 1)" \
+    "import sys, multi_tensor.backends.cpu as n; sys.exit(0 if n.loaded_module else 1)" \
     >/dev/null 2>&1; then
     export MULTI_TENSOR_DISABLE_NATIVE=1
     echo "gpu_check: the C++ CPU extension is not built: MULTI_TENSOR_DISABLE_NATIVE=1"

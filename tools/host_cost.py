@@ -82,7 +82,8 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
 def stub_backend():
     """The triton backend on CPU tensors with every launch a no-op."""
     from multi_tensor import schema
-    from multi_tensor.backends import registry, triton_gpu
+    from multi_tensor.backends import registry
+    from multi_tensor.backends import triton as triton_gpu
     k = triton_gpu.kernels()
     if k is None:
         raise SystemExit(f"host_cost: the triton backend did not load: {triton_gpu.load_error}")

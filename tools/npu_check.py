@@ -85,7 +85,8 @@ import torch  # noqa: E402
 
 from fused_optim import FusedEmaAdamW  # noqa: E402
 from multi_tensor import backend_for, forced_backend, multi_tensor_fused_ema_adamw  # noqa: E402
-from multi_tensor.backends import npu, npu_standin, registry  # noqa: E402
+from multi_tensor.backends import npu, registry  # noqa: E402
+from multi_tensor.testing import npu_standin  # noqa: E402
 from multi_tensor.rules import AdamHyper, step_scalars  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, ema_decay=0.9999)
@@ -212,7 +213,7 @@ def setup(args, rep: Report) -> Tuple[torch.device, str, Callable[[], None]]:
     """The device, the backend name our optimizer is forced to, and a synchronize function."""
     if args.stand_in:
         rep.say("stand-in: CPU tensors, the NPU backend's code, CANN's kernel emulated in fp32 "
-                "(multi_tensor.backends.npu_standin.cann_device_op)")
+                "(multi_tensor.testing.npu_standin.cann_device_op)")
         return torch.device("cpu"), "npu_standin", lambda: None
     try:
         import torch_npu  # noqa: F401
@@ -732,7 +733,8 @@ def check_binding_builds(args, device, backend, sync, rep: Report) -> None:
     if device.type != "npu":
         rep.info("built-in binding", "skipped (needs torch_npu and CANN)", skipped=True)
         return
-    from multi_tensor.backends import npu_builder, npu_loader
+    from multi_tensor.backends.npu import builder as npu_builder
+    from multi_tensor.backends.npu import loader as npu_loader
 
     try:
         module = npu_builder.FusedEmaAdamBuilder().load(verbose=False)
@@ -811,7 +813,7 @@ def check_huge_launch(args, device, backend, sync, rep: Report) -> None:
 def check_quick_norm(args, device, backend, sync, rep: Report) -> None:
     rep.say("12. the clipped step's one-read grad norm (npu_ops.quick_norm): deterministic, "
             "within its bound, inf on overflow")
-    from multi_tensor.backends import npu_ops
+    from multi_tensor.backends.npu import ops as npu_ops
 
     gen = torch.Generator().manual_seed(31)
     worst, runs_differ = 0.0, 0
@@ -1044,9 +1046,9 @@ def main(argv=None) -> int:
                 rep.check(check.__name__, False, f"raised {type(exc).__name__}: {exc}",
                           traceback=traceback.format_exc())
     if args.stand_in and not args.skip_model_table:
-        # the simulated 910B (multi_tensor/backends/npu_model.py): the six scenarios of the
+        # the simulated 910B (multi_tensor/testing/npu_model.py): the six scenarios of the
         # NPU backend's steady-state step, the table tests/test_npu_sim.py asserts
-        from multi_tensor.backends import npu_model
+        from multi_tensor.testing import npu_model
 
         rep.say("simulated 910B, steady-state step (third), 20 -> 200 params:\n"
                 + npu_model.format_table(npu_model.scenario_table()))

@@ -5,11 +5,11 @@ loads, the native CPU backend. See :mod:`multi_tensor.backends.registry`.
 """
 from . import reference  # noqa: F401  (registers the reference backend)
 from . import npu  # noqa: F401  (Ascend NPU, device type "npu"; torch_npu imported only on use)
-from . import triton_gpu  # noqa: F401  (registers the CUDA Triton backend; imports triton lazily)
+from . import triton  # noqa: F401  (registers the CUDA Triton backend; imports triton lazily)
 from .registry import (Backend, PreparedOp, backend_for, forced_backend,  # noqa: F401
                        register_backend, registered_backends, unregister_backend)
 
 try:  # the native CPU kernels are optional: without them every op runs on the reference
-    from . import native_cpu  # noqa: F401
-except ImportError:  # pragma: no cover - only while native_cpu.py itself is absent
-    native_cpu = None
+    from . import cpu  # noqa: F401
+except ImportError:  # pragma: no cover - only while cpu/ itself is absent
+    cpu = None

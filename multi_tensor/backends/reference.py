@@ -80,7 +80,7 @@ def adam_family(chunk_size: int, noop_flag: torch.Tensor, lists, c: StepScalars,
 
     ``sqrt(list)`` and ``div(list, list)``: the correctly rounded sqrt and division used (for
     the step's denominator and the grad scale's reciprocal); a device without fp64 passes
-    :mod:`multi_tensor.backends.fp32_exact`'s.
+    :mod:`multi_tensor.backends.npu.fp32_exact`'s.
     """
     del chunk_size  # elementwise: chunking cannot change a result
     grads, params, exp_avgs, exp_avg_sqs = lists.grads, lists.params, lists.exp_avgs, lists.exp_avg_sqs

@@ -1,6 +1,6 @@
 """The ``triton`` backend's kernels specialised as it launches them, compiled ahead of time.
 
-:func:`aot_variants` lists every kernel variant the host side (:mod:`triton_host`) can launch;
+:func:`aot_variants` lists every kernel variant the host side (:mod:`.host`) can launch;
 :func:`compile_ptx` compiles one for an NVIDIA architecture on any machine (no GPU needed), for
 the PTX and ``ptxas`` checks of ``tests/test_triton_ptx.py``.
 """
@@ -10,7 +10,7 @@ import functools
 
 import triton
 
-from .triton_kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BF16, BLOCK, COMPILE_OPTIONS,
+from .kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BF16, BLOCK, COMPILE_OPTIONS,
                              F16, F32, F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS,
                              _adam_kernel, _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
                              _step_scalars_kernel, _sumsq_kernel, _total_kernel)
@@ -23,7 +23,7 @@ ALIGN_NAMES = {ALIGN_ALL: "aligned", ALIGN_CHUNK: "chunk", ALIGN_NONE: "unaligne
 
 
 def aot_variants():
-    """(name, kernel, signature, constexprs): every kernel of triton_kernels, specialised as the
+    """(name, kernel, signature, constexprs): every kernel of kernels.py, specialised as the
     backend can launch it, for the ahead-of-time PTX and resource checks. Adam family: every
     dtype path (params x grads x masters x EMA storage: none, the state dtype or bf16), in
     each ALIGN mode (every chunk aligned, aligned per chunk, none), with and without a grad

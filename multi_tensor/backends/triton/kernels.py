@@ -1,8 +1,8 @@
 """The Triton kernels of the ``triton`` backend (what is compiled; the host side that feeds them
-is :mod:`multi_tensor.backends.triton_host`, the ahead-of-time variant list
-:mod:`multi_tensor.backends.triton_aot`).
+is :mod:`multi_tensor.backends.triton.host`, the ahead-of-time variant list
+:mod:`multi_tensor.backends.triton.aot`).
 
-Imported only through :mod:`multi_tensor.backends.triton_gpu` when the first CUDA bucket is
+Imported only through :mod:`multi_tensor.backends.triton` when the first CUDA bucket is
 prepared or op called (this module imports triton). Everything here also runs on CPU tensors under
 ``TRITON_INTERPRET=1`` (how the tests check the kernels without a GPU).
 
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import rules
+from ... import rules
 
 # dtype codes (constexpr kernel arguments)
 F32, F16, BF16, F64 = 0, 1, 2, 3

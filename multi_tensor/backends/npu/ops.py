@@ -5,7 +5,7 @@ apex's helpers as :mod:`multi_tensor.backends.reference` defines them, for a dev
 device (``masked_fill_``), nothing is read back.
 
 Where the tensors are views of one buffer without gaps (the NPU backend's flat grad buffers,
-:mod:`multi_tensor.backends.flat`), the op runs on that buffer as one tensor; otherwise on the
+:mod:`multi_tensor.backends.npu.flat`), the op runs on that buffer as one tensor; otherwise on the
 list, with ``torch._foreach_*`` ops (``scale``) or one concatenation (``l2norm``), so the launches
 do not grow with the number of tensors.
 
@@ -66,7 +66,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import flat, reference
+from .. import reference
+from . import flat
 
 BLOCK = 1024
 """Elements per block of the blocked sum (the tree's fan-in)."""

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Dict, List
 
-from .. import build
+from ... import build
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CANN = "/usr/local/Ascend/ascend-toolkit/latest"

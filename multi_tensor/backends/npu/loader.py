@@ -2,7 +2,7 @@ r"""Loading CANN's fused EMA-Adam operator for the NPU backend, and deciding whe
 
 :func:`load_device_op` returns the operator as a Python callable (MindSpeed's binding, else this
 package's, ``csrc/npu/fused_ema_adam.cpp``, compiled on first use by
-:mod:`multi_tensor.backends.npu_builder`). :class:`DeviceOp` holds it for one backend and answers,
+:mod:`multi_tensor.backends.npu.builder`). :class:`DeviceOp` holds it for one backend and answers,
 per device, "the callable" or "``None`` and why": the chip must be one CANN ships the operator
 for, the operator must load, and a one-element call of a loaded operator (the probe) must run
 (a callable given by the caller, the CPU stand-ins', is used as given). Every failure on that
@@ -72,7 +72,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def _builtin_op() -> Tuple[Callable, str]:
-    from . import npu_builder
+    from . import builder as npu_builder
 
     module = npu_builder.FusedEmaAdamBuilder().load()
     return module.npu_apply_fused_ema_adamw, f"multi_tensor ({npu_builder.FusedEmaAdamBuilder.NAME})"

@@ -10,7 +10,7 @@ operator is one of:
   device would compute;
 * :func:`cann_device_op` (also ``literal_device_op``): CANN's kernel operation by operation in
   fp32, as its source computes (below); used to size the tolerances of ``tools/npu_check.py``;
-* ``None``: the real loader (:func:`multi_tensor.backends.npu_loader.load_device_op`), for tests
+* ``None``: the real loader (:func:`multi_tensor.backends.npu.loader.load_device_op`), for tests
   that inject a fake ``torch_npu`` and a fake compiled binding.
 
 What the kernel computes. Source: ops-nn (``github.com/hicann/ops-nn``, commit e5c3fa93, 2026-08),
@@ -71,7 +71,7 @@ import torch
 
 from .. import schema
 from ..rules import AdamHyper, step_scalars
-from . import npu, reference, registry
+from ..backends import npu, reference, registry
 
 
 def _step_of(step) -> int:

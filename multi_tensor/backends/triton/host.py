@@ -1,11 +1,11 @@
 """The host side of the ``triton`` backend: pointer tables, prepared buckets, launches.
 
-The kernels are :mod:`multi_tensor.backends.triton_kernels` (whose docstring describes the
+The kernels are :mod:`multi_tensor.backends.triton.kernels` (whose docstring describes the
 pointer table, the exactness rules and the device-side steps); this module builds what they
 read and launches them: :class:`AdamBucket` (the Adam family's prepared bucket), :func:`scale`
 and :func:`l2norm`. Each launch's ``ALIGN`` mode is chosen here from the tensors' addresses
 (every one 16-byte aligned, some, none), with each list's base a tensor at an aligned address.
-Imported only through :mod:`multi_tensor.backends.triton_gpu` (it imports triton).
+Imported only through :mod:`multi_tensor.backends.triton` (it imports triton).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .. import rules, tensor_facts
-from . import registry
-from .triton_kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BLOCK, COMPILE_OPTIONS,
+from ... import rules, tensor_facts
+from .. import registry
+from .kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BLOCK, COMPILE_OPTIONS,
                              DTYPE_CODE, F32, F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
                              _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
                              _step_scalars_kernel, _sumsq_kernel, _total_kernel)

@@ -1,8 +1,8 @@
 """The Triton backend: every multi-tensor op on CUDA devices (ROCm torch reports "cuda" too).
 
 Registered at import for device type ``cuda`` as backend ``"triton"`` (priority 20, above the
-reference) **without importing triton**: the kernels (:mod:`multi_tensor.backends.triton_kernels`,
-launched by :mod:`multi_tensor.backends.triton_host`) are imported when the first CUDA bucket is
+reference) **without importing triton**: the kernels (:mod:`multi_tensor.backends.triton.kernels`,
+launched by :mod:`multi_tensor.backends.triton.host`) are imported when the first CUDA bucket is
 prepared or the first CUDA op is called. When triton
 cannot be imported, one ``RuntimeWarning`` says why and every op of this backend runs on the
 reference backend instead (the results are the same bits, slower, with host syncs).
@@ -24,7 +24,7 @@ What runs where:
 Prepared buckets (the optimizers' hot path) also offer ``run_device_step``: the step counter,
 the skip flag (GradScaler's ``found_inf``) and the per-step scalars stay on the device, so an
 optimizer step needs no host sync and can be captured in a CUDA graph
-(see :class:`multi_tensor.backends.triton_host.AdamBucket`).
+(see :class:`multi_tensor.backends.triton.host.AdamBucket`).
 
 Attributes: ``load_error`` (why triton could not be imported, or None), ``BACKEND``.
 """
@@ -34,9 +34,9 @@ import threading
 import warnings
 from typing import Optional
 
-from .. import schema
-from . import reference
-from .registry import Backend, PreparedOp, register_backend
+from ... import schema
+from .. import reference
+from ..registry import Backend, PreparedOp, register_backend
 
 TRITON_VERSION = "3.6.0"  # what tools/bootstrap.sh --test installs and the tests were run with
 INSTALL_HINT = f"pip install triton=={TRITON_VERSION}"
@@ -56,7 +56,7 @@ def kernels():
     with _lock:
         if _kernels is None and load_error is None:
             try:
-                from . import triton_host
+                from . import host as triton_host
             except Exception as exc:  # ImportError, or a broken triton install
                 load_error = f"{type(exc).__name__}: {exc}"
             else:

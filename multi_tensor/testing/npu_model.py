@@ -1,7 +1,7 @@
 r"""A simulated Ascend 910B: a ``TorchDispatchMode`` that counts what a step would cost there.
 
 CPU CI has no NPU. The NPU backend runs on CPU tensors through
-:func:`multi_tensor.backends.npu_standin.standin_backend`; :class:`DeviceModel` watches every aten
+:func:`multi_tensor.testing.npu_standin.standin_backend`; :class:`DeviceModel` watches every aten
 op of such a run and records what a 910B would do with it:
 
 * **Launches.** Every aten op that computes on device tensors is one launch. Views and metadata
@@ -495,8 +495,9 @@ def run_scenario(name: str, params: int, *, steps: int = 3, seed: int = 0,
     """
     from fused_optim import FusedEmaAdamW  # the package imports this module never
 
-    from . import npu, npu_standin
-    from . import forced_backend
+    from ..backends import npu
+    from . import npu_standin
+    from ..backends import forced_backend
 
     options = SCENARIOS[name]
     dtype = options["dtype"]
@@ -587,5 +588,5 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m multi_tensor.backends.npu_model
+if __name__ == "__main__":  # python -m multi_tensor.testing.npu_model
     print(format_table(scenario_table()))

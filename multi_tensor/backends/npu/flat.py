@@ -74,7 +74,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import tensor_facts
+from ... import tensor_facts
 
 try:  # a weak reference to a storage, that knows when the storage is gone
     from torch.multiprocessing.reductions import StorageWeakRef

@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from .. import build, rules, schema
-from . import reference
-from .registry import Backend, register_backend
+from ... import build, rules, schema
+from .. import reference
+from ..registry import Backend, register_backend
 
 BUILD_COMMAND = "python -m multi_tensor.build (or pip install --no-build-isolation .)"
 
