@@ -24,6 +24,7 @@ Usage
   python tools/bench.py                                  # everything, about 5 min on 2 cores
   python tools/bench.py --workloads S,W2 --rounds 5      # a quick look
   python tools/bench.py --workloads W1 --threads-list 2 --json bench.json --plot bench.png
+  python tools/bench.py --quick                          # every workload, short (~4 min)
   python tools/bench.py --quick --workloads S,W2 --w2-tensors 100 --json /tmp/b.json   # smoke
 """
 from __future__ import annotations
@@ -93,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma list of thread counts to run every workload at (default: "
                              "1 and torch.get_num_threads(), deduplicated)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory steps")
-    parser.add_argument("--burst", type=int, default=None,
-                        help="back-to-back steps per peer per round in the burst mode, steps "
-                             "2..N timed; N > 1 runs it for every workload, 1 turns it off "
-                             "(default: " +
+    parser.add_argument("--burst", type=int, default=None, metavar="N",
+                        help="back-to-back steps per peer per round in the burst mode, timed as "
+                             "one block by Timer.timeit(N) after its 2 warm-up steps; N >= 1 runs "
+                             "it for every workload, 0 turns it off (default: " +
                              ", ".join(f"{w} {b}" for w, b in config.DEFAULT_BURST.items()) +
                              ", the others off)")
     parser.add_argument("--no-incache", action="store_true",
@@ -104,12 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--incache-numel", type=int, default=None,
                         help="elements of the in-cache tensor (default: the largest power of two "
                              "whose working set fits in 3/4 of L2)")
-    parser.add_argument("--incache-steps", type=int, default=None,
-                        help=f"steps per in-cache measurement (default {config.INCACHE_STEPS})")
+    parser.add_argument("--incache-s", type=float, default=None, metavar="SECONDS",
+                        help="min_run_time of each in-cache blocked_autorange (default "
+                             f"{config.INCACHE_MIN_RUN_S:g})")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny run for smoke tests: %(rounds)d rounds, %(warmup)d warm-up step, "
-                             "%(ceiling_reps)d ceiling reps, bursts of %(burst)d, "
-                             "%(incache_steps)d in-cache steps" % config.QUICK)
+                        help="short run: %(rounds)d rounds, %(warmup)d warm-up step, ceiling "
+                             "blocks of min_run_time %(ceiling_s)g s, bursts of %(burst)d, "
+                             "in-cache %(incache_s)g s" % config.QUICK)
     parser.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="write a PNG of step times and %% of the ceiling (needs matplotlib)")
@@ -117,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_lengths(args: argparse.Namespace, workload: str) -> Dict[str, float]:
-    """Rounds, warm-up steps, budget, burst length and ceiling reps for one workload."""
+    """Rounds, warm-up steps, budget, burst and ceiling min_run_time for one workload."""
     quick = config.QUICK if args.quick else None
 
     def pick(given, key: str, defaults: Dict[str, float]):
@@ -130,13 +132,13 @@ def run_lengths(args: argparse.Namespace, workload: str) -> Dict[str, float]:
     elif workload in config.DEFAULT_BURST:
         burst = pick(None, "burst", config.DEFAULT_BURST)
     else:
-        burst = 1
+        burst = 0
     return {
         "rounds": max(1, pick(args.rounds, "rounds", config.DEFAULT_ROUNDS)),
         "warmup": max(0, pick(args.warmup, "warmup", config.DEFAULT_WARMUP)),
         "budget_s": args.budget if args.budget is not None else config.DEFAULT_BUDGET_S[workload],
-        "burst": max(1, burst),
-        "ceiling_reps": max(1, pick(None, "ceiling_reps", config.CEILING_REPS)),
+        "burst": max(0, burst),
+        "ceiling_s": max(0.0, pick(None, "ceiling_s", config.CEILING_MIN_RUN_S)),
     }
 
 
@@ -191,6 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with_deepspeed = bool(peers.DEEPSPEED_PEERS & requested) and not skipped
 
     results = {}
+    compare = []
     for w in workloads:
         names = [p for p in plans[w] if p not in skipped]
         if "ours" not in names:
@@ -198,6 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         wl = make_workload(w, args.w2_tensors)
         results[w] = measure.run_workload(wl, names, threads_list, **run_lengths(args, w),
                                           measure_memory=not args.no_memory)
+        compare += results[w].pop("compare")
         del wl
         gc.collect()
         memory.malloc_trim()
@@ -206,10 +210,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     incache = None
     if not args.no_incache:
         numel = args.incache_numel or measure.default_incache_numel(info["cpu_caches_bytes"])
-        steps = args.incache_steps or (config.QUICK["incache_steps"] if args.quick
-                                       else config.INCACHE_STEPS)
-        print(f"\n[in-cache] {numel:,} elements, {steps} steps per peer, 1 thread ...", flush=True)
-        incache = measure.in_cache(numel, steps, with_deepspeed, info["cpu_caches_bytes"])
+        seconds = args.incache_s if args.incache_s is not None else (
+            config.QUICK["incache_s"] if args.quick else config.INCACHE_MIN_RUN_S)
+        print(f"\n[in-cache] {numel:,} elements, blocked_autorange(min_run_time={seconds:g} s) "
+              "per peer, 1 thread ...", flush=True)
+        incache = measure.in_cache(numel, seconds, with_deepspeed, info["cpu_caches_bytes"])
     total = time.perf_counter() - t_run
     info["loadavg_end"] = machine.loadavg()
     info["other_processes_cores"] = foreign.cores()
@@ -218,6 +223,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"threads {', '.join(map(str, threads_list))} | {info['cpu_capability']} ########")
     print("peer/ours > 1 means ours is faster. GB/s = byte-model bytes / median, for every peer;")
     print(f"%ceil against the ceiling: {measure.CEILING_METHOD}")
+    report.print_compare(compare)
     for w, res in results.items():
         report.print_workload(w, res)
     if incache:
