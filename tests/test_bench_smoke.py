@@ -29,7 +29,7 @@ def run_bench(tmp_path, *args, env=None):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, BENCH, "--quick", "--w2-tensors", "100", "--incache-numel", "4096",
-         "--incache-s", "0.002", "--json", str(out), *args],
+         "--incache-steps", "20", "--json", str(out), *args],
         cwd=ROOT, env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout, json.loads(out.read_text())

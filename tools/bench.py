@@ -105,13 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--incache-numel", type=int, default=None,
                         help="elements of the in-cache tensor (default: the largest power of two "
                              "whose working set fits in 3/4 of L2)")
-    parser.add_argument("--incache-s", type=float, default=None, metavar="SECONDS",
-                        help="min_run_time of each in-cache blocked_autorange (default "
-                             f"{config.INCACHE_MIN_RUN_S:g})")
+    parser.add_argument("--incache-steps", type=int, default=None,
+                        help="steps per in-cache measurement, in Timer.timeit blocks of 100 "
+                             f"(default {config.INCACHE_STEPS})")
     parser.add_argument("--quick", action="store_true",
                         help="short run: %(rounds)d rounds, %(warmup)d warm-up step, ceiling "
                              "blocks of min_run_time %(ceiling_s)g s, bursts of %(burst)d, "
-                             "in-cache %(incache_s)g s" % config.QUICK)
+                             "%(incache_steps)d in-cache steps" % config.QUICK)
     parser.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="write a PNG of step times and %% of the ceiling (needs matplotlib)")
@@ -210,11 +210,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     incache = None
     if not args.no_incache:
         numel = args.incache_numel or measure.default_incache_numel(info["cpu_caches_bytes"])
-        seconds = args.incache_s if args.incache_s is not None else (
-            config.QUICK["incache_s"] if args.quick else config.INCACHE_MIN_RUN_S)
-        print(f"\n[in-cache] {numel:,} elements, blocked_autorange(min_run_time={seconds:g} s) "
-              "per peer, 1 thread ...", flush=True)
-        incache = measure.in_cache(numel, seconds, with_deepspeed, info["cpu_caches_bytes"])
+        steps = args.incache_steps or (config.QUICK["incache_steps"] if args.quick
+                                       else config.INCACHE_STEPS)
+        print(f"\n[in-cache] {numel:,} elements, {steps} steps per peer, 1 thread ...", flush=True)
+        incache = measure.in_cache(numel, steps, with_deepspeed, info["cpu_caches_bytes"])
     total = time.perf_counter() - t_run
     info["loadavg_end"] = machine.loadavg()
     info["other_processes_cores"] = foreign.cores()

@@ -32,8 +32,8 @@ DEFAULT_BURST = {"W2": 5, "S": 10, "S3": 10}
 # min_run_time of the blocked_autorange of each in-place streaming op for the ceiling's fastest
 # block, before and after the rounds.
 CEILING_MIN_RUN_S = {"W1": 0.2, "W3": 0.2, "W2": 0.05, "S": 0.02, "S3": 0.02}
-QUICK = {"rounds": 3, "warmup": 1, "ceiling_s": 0.0, "burst": 3, "incache_s": 0.005}
+QUICK = {"rounds": 3, "warmup": 1, "ceiling_s": 0.0, "burst": 3, "incache_steps": 50}
 
-INCACHE_MIN_RUN_S = 0.1
+INCACHE_STEPS = 2000
 INCACHE_FALLBACK_NUMEL = 65536
 INCACHE_BYTES_PER_ELEMENT = 20  # ours keeps param, grad, exp_avg, exp_avg_sq, ema in cache

@@ -41,8 +41,8 @@ never disturb a peer's state. On large workloads the ceiling is DRAM bandwidth; 
 there a fused step can reach more than 100% of it.
 
 In-cache compute. One fp32 tensor small enough that param, grad, m, v and EMA stay in L2, one
-thread, ``Timer.blocked_autorange``; the step time is the fastest block's mean (interference
-only adds time). ns per element per core = step time * threads / elements. This is the
+thread, blocks of 100 steps (``Timer.timeit(100)``); the step time is the fastest block's mean
+(interference only adds time). ns per element per core = step time * threads / elements. This is the
 arithmetic cost when memory is not the limit. The same steps on a tensor a quarter the size
 give the marginal cost per element, i.e. without the fixed per-step overhead (Python, the
 dispatcher, launching), which is printed beside it.
@@ -399,15 +399,17 @@ INCACHE_DESCRIPTIONS = {
 
 
 @torch.no_grad()
-def _per_step_s(step: Callable[[], None], name: str, min_run_time_s: float) -> float:
-    """Per-step time of the fastest block of a ``blocked_autorange``: interference only adds
-    time."""
-    m = make_timer(step, "in-cache", name, "1 thr", 1).blocked_autorange(
-        min_run_time=min_run_time_s)
-    return min(m.times)
+def _per_step_s(step: Callable[[], None], name: str, steps: int, chunk: int = 100) -> float:
+    """Per-step time of the fastest of ``steps // chunk`` blocks of ``chunk`` back-to-back steps
+    (``Timer.timeit(chunk)``, two warm-up steps each): interference only adds time. Fixed-size
+    blocks, where ``blocked_autorange`` would pick one block of thousands for a 10 us step and
+    leave no fastest block to take on a busy machine."""
+    chunk = max(1, min(chunk, steps))
+    timer = make_timer(step, "in-cache", name, "1 thr", 1)
+    return min(min(timer.timeit(chunk).times) for _ in range(max(1, steps // chunk)))
 
 
-def in_cache(numel: int, min_run_time_s: float, with_deepspeed: bool, caches: Dict[str, int]) -> Dict[str, object]:
+def in_cache(numel: int, steps: int, with_deepspeed: bool, caches: Dict[str, int]) -> Dict[str, object]:
     """ns/element/core of one step on a tensor that stays in L2, 1 thread; see the module doc."""
     threads = 1
     foreign = machine.ForeignLoad()
@@ -422,8 +424,8 @@ def in_cache(numel: int, min_run_time_s: float, with_deepspeed: bool, caches: Di
         try:
             peers = {}
             for name, step in large_steppers.items():
-                t_large = _per_step_s(step, name, min_run_time_s)
-                t_small = _per_step_s(small_steppers[name], name, min_run_time_s)
+                t_large = _per_step_s(step, name, steps)
+                t_small = _per_step_s(small_steppers[name], name, steps)
                 marginal = max(0.0, (t_large - t_small) / (numel - small)) if numel > small else None
                 fixed = None if marginal is None else t_large - marginal * numel
                 peers[name] = {
@@ -450,16 +452,15 @@ def in_cache(numel: int, min_run_time_s: float, with_deepspeed: bool, caches: Di
         ours_tiny = fused_optim.FusedEmaAdamW([tiny], lr=LR, betas=BETAS, eps=EPS,
                                               weight_decay=WEIGHT_DECAY, ema_decay=EMA_DECAY).step
         wrapper = _NoopOptimizer([torch.empty(16)]).step
-        t_ours = _per_step_s(ours_tiny, "ours_tiny", 5 * min_run_time_s)
-        t_wrapper = _per_step_s(wrapper, "torch_wrapper", 5 * min_run_time_s)
+        t_ours = min(_per_step_s(ours_tiny, "ours_tiny", steps) for _ in range(5))
+        t_wrapper = min(_per_step_s(wrapper, "torch_wrapper", steps) for _ in range(5))
     finally:
         torch.set_num_threads(previous)
     if "ours" in peers:
         peers["ours"]["tiny_step_us"] = t_ours * 1e6
         peers["ours"]["wrapper_step_us"] = t_wrapper * 1e6
         peers["ours"]["fixed_over_wrapper_us"] = (t_ours - t_wrapper) * 1e6
-    result = {"numel": numel, "small_numel": small, "threads": threads,
-              "min_run_time_s": min_run_time_s,
+    result = {"numel": numel, "small_numel": small, "threads": threads, "steps": steps,
               "working_set_bytes": numel * config.INCACHE_BYTES_PER_ELEMENT,
               "l2_bytes": caches.get("L2"), "other_processes_cores": foreign.cores(),
               "peers": peers}

@@ -117,8 +117,7 @@ def print_in_cache(res: Dict[str, object]) -> None:
     foreign = res["other_processes_cores"]
     print(f"\n== in-cache compute: one fp32 tensor of {res['numel']:,} elements "
           f"({res['working_set_bytes'] / 1024:.0f} KiB working set, {l2}), {res['threads']} thread, "
-          f"blocked_autorange(min_run_time={res['min_run_time_s']:g} s); marginal = from the "
-          f"{res['small_numel']:,}-element run")
+          f"{res['steps']} steps; marginal = from the {res['small_numel']:,}-element run")
     if foreign is not None and foreign > NOISY_CORES:
         print(f"   NOISY: other processes kept {foreign:.2f} cores busy meanwhile")
     print(f"   {'peer':<15} {'step us':>9} {'ns/elem/core':>13} {'marginal ns':>12} "
