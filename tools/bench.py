@@ -17,6 +17,8 @@ W3 GPT-2-small bf16 params + fp32 masters, S 6 x 50,000 fp32, S3 the same in bf1
 Peers: ours (FusedEmaAdamW), torch AdamW fused / foreach + _foreach_lerp_ EMA, the per-tensor
 npu_apply_fused_ema_adamw loop (MindSpeed), DeepSpeedCPUAdam + lerp when DeepSpeed imports;
 for bf16 workloads the composed mixed-precision recipe around each of them.
+Every time is taken with torch.utils.benchmark (a Timer per peer; Measurements merged over the
+rounds; the medians printed as Compare tables); the derived figures are printed beside them.
 Targets are data (tools/benchlib/targets.py), printed beside the numbers, never asserted.
 The parts live in tools/benchlib/: workloads, peers, measure, memory, machine, report.
 
@@ -24,7 +26,7 @@ Usage
   python tools/bench.py                                  # everything, about 5 min on 2 cores
   python tools/bench.py --workloads S,W2 --rounds 5      # a quick look
   python tools/bench.py --workloads W1 --threads-list 2 --json bench.json --plot bench.png
-  python tools/bench.py --quick                          # every workload, short (~4 min)
+  python tools/bench.py --quick                          # every workload, short (a few minutes)
   python tools/bench.py --quick --workloads S,W2 --w2-tensors 100 --json /tmp/b.json   # smoke
 """
 from __future__ import annotations
