@@ -1,15 +1,18 @@
 """Smoke tests of tools/bench.py: it runs end to end and writes the JSON it promises.
 
 A tiny S + W2 run at thread counts 1 and 2 in a subprocess; the checks are on structure and on
-the arithmetic that ties the figures together (effective GB/s, % of ceiling, ratios), never on
-a speed. A second tiny run hides DeepSpeed behind a module that fails to import and checks the
-peer is skipped with a reason rather than failing the run. With matplotlib, ``--plot`` writes a
-PNG (and tools/benchlib/plot.py replots the saved JSON); without it, the plot says why not.
+the arithmetic that ties the figures together (effective GB/s, % of ceiling, ratios, the
+Measurement statistics), never on a speed. A second tiny run hides DeepSpeed behind a module
+that fails to import and checks the peer is skipped with a reason rather than failing the
+run. With matplotlib, ``--plot`` writes a PNG (and tools/benchlib/plot.py replots the saved
+JSON); without it, the plot says why not.
 """
 import importlib.util
 import json
 import math
 import os
+import re
+import statistics
 import subprocess
 import sys
 
@@ -32,12 +35,17 @@ def run_bench(tmp_path, *args, env=None):
     return proc.stdout, json.loads(out.read_text())
 
 
-def check_timing(mode, wl, ceiling_gbps, expected_per_round):
-    assert mode["rounds"] >= 1
+def check_timing(mode, wl, ceiling_gbps, steps_per_block):
+    """One Measurement per peer, merged over the rounds: a time per round (one step, or the
+    mean of a block of back-to-back steps), every peer the same number of timed steps."""
+    assert mode["rounds"] >= 1 and mode["steps_per_block"] == steps_per_block
     assert set(mode["peers"]) == FP32_PEERS
     for name, peer in mode["peers"].items():
-        assert len(peer["times_s"]) == mode["rounds"] * expected_per_round, name
+        assert len(peer["times_s"]) == mode["rounds"], name
+        assert peer["timed_steps"] == mode["rounds"] * steps_per_block, name
         assert all(t > 0 for t in peer["times_s"]), name
+        assert peer["min_s"] == min(peer["times_s"])
+        assert peer["median_s"] == pytest.approx(statistics.median(peer["times_s"]))
         assert peer["p10_s"] <= peer["median_s"] <= peer["p90_s"], name
         assert peer["effective_gbps"] == pytest.approx(wl["bytes_per_step"] / peer["median_s"] / 1e9)
         assert peer["pct_of_ceiling"] == pytest.approx(100 * peer["effective_gbps"] / ceiling_gbps)
@@ -50,6 +58,9 @@ def test_bench_quick_writes_json(tmp_path):
     stdout, data = run_bench(tmp_path, "--workloads", "S,W2", "--threads-list", "1,2",
                              "--peers", ",".join(sorted(FP32_PEERS)))
     assert "backend" in stdout and "ceiling" in stdout
+    # the step times as torch.utils.benchmark.Compare tables, a row per peer and thread count
+    assert re.search(r"^\s+\|\s+interleaved\s+\|\s+burst\s*$", stdout, re.M), stdout
+    assert re.search(r"^1 threads: -+$", stdout, re.M) and "Times are in" in stdout
     for key in ("machine", "settings", "byte_models", "ceiling_method", "memory_method",
                 "target_definitions", "skipped_peers", "workloads", "in_cache", "targets", "total_s"):
         assert key in data, key
@@ -69,6 +80,8 @@ def test_bench_quick_writes_json(tmp_path):
         for peer_name, peer in wl["peers"].items():
             assert set(peer["peak_extra_mb"]) == {"rss_mb", "torch_mb"}
             assert peer["check"]["all_finite"], peer_name
+            # every peer took the same steps (burst blocks are the same size for all)
+            assert peer["check"]["max_abs_diff_param_vs_ours"] < 1e-5, peer_name
         assert list(wl["by_threads"]) == ["1", "2"]
         for n, entry in wl["by_threads"].items():
             assert entry["threads"] == int(n)
@@ -83,9 +96,8 @@ def test_bench_quick_writes_json(tmp_path):
             assert ceiling["gbps"] == max(f["gbps"] for f in ceiling["ops"].values()) > 0
             assert ceiling["ops"][ceiling["best_op"]]["gbps"] == ceiling["gbps"]
             check_timing(entry["interleaved"], wl, ceiling["gbps"], 1)
-            burst = entry["burst"]
-            assert burst["steps_per_round"] == wl["burst_steps"] >= 2
-            check_timing(burst, wl, ceiling["gbps"], burst["steps_per_round"] - 1)
+            assert wl["burst_steps"] == 3   # --quick
+            check_timing(entry["burst"], wl, ceiling["gbps"], wl["burst_steps"])
             assert entry["targets"]
             for target in entry["targets"]:
                 assert target["workload"] == name and target["threads"] == int(n)

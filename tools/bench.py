@@ -17,6 +17,8 @@ W3 GPT-2-small bf16 params + fp32 masters, S 6 x 50,000 fp32, S3 the same in bf1
 Peers: ours (FusedEmaAdamW), torch AdamW fused / foreach + _foreach_lerp_ EMA, the per-tensor
 npu_apply_fused_ema_adamw loop (MindSpeed), DeepSpeedCPUAdam + lerp when DeepSpeed imports;
 for bf16 workloads the composed mixed-precision recipe around each of them.
+Every time is taken with torch.utils.benchmark (a Timer per peer; Measurements merged over the
+rounds; the medians printed as Compare tables); the derived figures are printed beside them.
 Targets are data (tools/benchlib/targets.py), printed beside the numbers, never asserted.
 The parts live in tools/benchlib/: workloads, peers, measure, memory, machine, report.
 
@@ -24,6 +26,7 @@ Usage
   python tools/bench.py                                  # everything, about 5 min on 2 cores
   python tools/bench.py --workloads S,W2 --rounds 5      # a quick look
   python tools/bench.py --workloads W1 --threads-list 2 --json bench.json --plot bench.png
+  python tools/bench.py --quick                          # every workload, short (a few minutes)
   python tools/bench.py --quick --workloads S,W2 --w2-tensors 100 --json /tmp/b.json   # smoke
 """
 from __future__ import annotations
@@ -93,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma list of thread counts to run every workload at (default: "
                              "1 and torch.get_num_threads(), deduplicated)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory steps")
-    parser.add_argument("--burst", type=int, default=None,
-                        help="back-to-back steps per peer per round in the burst mode, steps "
-                             "2..N timed; N > 1 runs it for every workload, 1 turns it off "
-                             "(default: " +
+    parser.add_argument("--burst", type=int, default=None, metavar="N",
+                        help="back-to-back steps per peer per round in the burst mode, timed as "
+                             "one block by Timer.timeit(N) after its 2 warm-up steps; N >= 1 runs "
+                             "it for every workload, 0 turns it off (default: " +
                              ", ".join(f"{w} {b}" for w, b in config.DEFAULT_BURST.items()) +
                              ", the others off)")
     parser.add_argument("--no-incache", action="store_true",
@@ -105,10 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="elements of the in-cache tensor (default: the largest power of two "
                              "whose working set fits in 3/4 of L2)")
     parser.add_argument("--incache-steps", type=int, default=None,
-                        help=f"steps per in-cache measurement (default {config.INCACHE_STEPS})")
+                        help="steps per in-cache measurement, in Timer.timeit blocks of 100 "
+                             f"(default {config.INCACHE_STEPS})")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny run for smoke tests: %(rounds)d rounds, %(warmup)d warm-up step, "
-                             "%(ceiling_reps)d ceiling reps, bursts of %(burst)d, "
+                        help="short run: %(rounds)d rounds, %(warmup)d warm-up step, ceiling "
+                             "blocks of min_run_time %(ceiling_s)g s, bursts of %(burst)d, "
                              "%(incache_steps)d in-cache steps" % config.QUICK)
     parser.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
     parser.add_argument("--plot", metavar="PATH", default=None,
@@ -117,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_lengths(args: argparse.Namespace, workload: str) -> Dict[str, float]:
-    """Rounds, warm-up steps, budget, burst length and ceiling reps for one workload."""
+    """Rounds, warm-up steps, budget, burst and ceiling min_run_time for one workload."""
     quick = config.QUICK if args.quick else None
 
     def pick(given, key: str, defaults: Dict[str, float]):
@@ -130,13 +134,13 @@ def run_lengths(args: argparse.Namespace, workload: str) -> Dict[str, float]:
     elif workload in config.DEFAULT_BURST:
         burst = pick(None, "burst", config.DEFAULT_BURST)
     else:
-        burst = 1
+        burst = 0
     return {
         "rounds": max(1, pick(args.rounds, "rounds", config.DEFAULT_ROUNDS)),
         "warmup": max(0, pick(args.warmup, "warmup", config.DEFAULT_WARMUP)),
         "budget_s": args.budget if args.budget is not None else config.DEFAULT_BUDGET_S[workload],
-        "burst": max(1, burst),
-        "ceiling_reps": max(1, pick(None, "ceiling_reps", config.CEILING_REPS)),
+        "burst": max(0, burst),
+        "ceiling_s": max(0.0, pick(None, "ceiling_s", config.CEILING_MIN_RUN_S)),
     }
 
 
@@ -191,6 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with_deepspeed = bool(peers.DEEPSPEED_PEERS & requested) and not skipped
 
     results = {}
+    compare = []
     for w in workloads:
         names = [p for p in plans[w] if p not in skipped]
         if "ours" not in names:
@@ -198,6 +203,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         wl = make_workload(w, args.w2_tensors)
         results[w] = measure.run_workload(wl, names, threads_list, **run_lengths(args, w),
                                           measure_memory=not args.no_memory)
+        compare += results[w].pop("compare")
         del wl
         gc.collect()
         memory.malloc_trim()
@@ -218,6 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"threads {', '.join(map(str, threads_list))} | {info['cpu_capability']} ########")
     print("peer/ours > 1 means ours is faster. GB/s = byte-model bytes / median, for every peer;")
     print(f"%ceil against the ceiling: {measure.CEILING_METHOD}")
+    report.print_compare(compare)
     for w, res in results.items():
         report.print_workload(w, res)
     if incache:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the demo (default) or the tests (--test) need, then this package with its C++ kernels.
 #
-#   bash tools/bootstrap.sh          # torch (if missing) + the package + scikit-learn, matplotlib
+#   bash tools/bootstrap.sh          # torch (if missing) + the package + scikit-learn, tqdm, matplotlib
 #   bash tools/bootstrap.sh --test   # ... + pytest, ruff, triton (pinned, for the Triton backend's
 #                                    #     tests), lightning, transformers, accelerate (the recipe tests)
 #
@@ -23,9 +23,9 @@ else
 fi
 
 build_deps=(setuptools wheel ninja numpy)
-# The demo's data (load_digits ships inside the scikit-learn wheel) and its plot; the tests run the
-# demo too. Neither depends on torch, so pip never pulls another torch for them.
-build_deps+=(scikit-learn matplotlib)
+# The demo's data (load_digits ships inside the scikit-learn wheel), its progress bar and its plot;
+# the tests run the demo too. None depends on torch, so pip never pulls another torch for them.
+build_deps+=(scikit-learn tqdm matplotlib)
 if [[ "${1:-}" == "--test" ]]; then
     # expecttest: torch.testing._internal (torch's optimizer error inputs, tests/test_torch_conformance.py)
     build_deps+=(pytest expecttest)

@@ -14,14 +14,14 @@ master grads, ``torch.optim.AdamW(fused=True).step()`` on the masters,
 optimizer step is timed, for both, alternating which goes first; the medians after the warm-up
 steps are compared.
 
-Output: a text progress bar, raw vs EMA test accuracy and loss, the step times, and a PNG
+Output: a progress bar (tqdm), raw vs EMA test accuracy and loss, the step times, and a PNG
 (matplotlib, optional) with the training loss and the raw/EMA test curves.
 
     python tools/demo.py                      # 1500 steps, about 15 s on 2 cores
     python tools/demo.py --steps 300 --plot out.png
     python tools/demo.py --no-plot --hidden 1024
 
-Needs scikit-learn (``pip install scikit-learn``); matplotlib for the picture.
+Needs scikit-learn and tqdm (``pip install scikit-learn tqdm``); matplotlib for the picture.
 """
 from __future__ import annotations
 
@@ -118,33 +118,6 @@ class TorchMixedPrecisionEma:
             return evaluate(model, x, y)
         finally:
             torch._foreach_copy_(self.params, backup)
-
-
-# --- progress bar -----------------------------------------------------------------------------
-class Progress:
-    """A plain-text progress bar on stderr: redrawn in place on a terminal, else a line per 10%."""
-
-    def __init__(self, total: int, width: int = 28):
-        self.total, self.width = total, width
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-        self.next_line = 0
-
-    def update(self, step: int, loss: float, raw_acc: float, ema_acc: float) -> None:
-        if not self.tty and step < self.total and step < self.next_line:
-            return
-        elapsed = time.perf_counter() - self.start
-        eta = f"eta {elapsed / step * (self.total - step):4.1f}s" if step >= 20 else "eta   ?"
-        done = self.width * step // self.total
-        text = (f"[{'#' * done}{'.' * (self.width - done)}] {step:>5}/{self.total} "
-                f"train loss {loss:.3f} | test acc raw {raw_acc:5.1f}% EMA {ema_acc:5.1f}% | "
-                f"{elapsed:4.1f}s {eta}")
-        if self.tty:
-            sys.stderr.write("\r  " + text + ("\n" if step == self.total else ""))
-        else:
-            sys.stderr.write("  " + text + "\n")
-            self.next_line = step + max(1, self.total // 10)
-        sys.stderr.flush()
 
 
 # --- plot -------------------------------------------------------------------------------------
@@ -264,10 +237,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--steps must be >= 2")
     try:
         import sklearn  # noqa: F401
-    except ImportError:
-        print("the demo needs scikit-learn for its data (load_digits ships inside the wheel, no "
-              "download): pip install scikit-learn   (bash tools/bootstrap.sh installs it)",
-              file=sys.stderr)
+        from tqdm import tqdm
+    except ImportError as exc:
+        print(f"the demo needs scikit-learn for its data (load_digits ships inside the wheel, no "
+              f"download) and tqdm for its progress bar: pip install scikit-learn tqdm   (bash "
+              f"tools/bootstrap.sh installs both; {exc})", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -320,7 +294,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     losses: List[float] = []
     times = {"ours": [], "torch": [], "fwd_bwd": []}
     runners = ((model, params, opt.step, "ours"), (peer_model, peer.params, peer.step, "torch"))
-    bar = Progress(args.steps)
+    bar = tqdm(total=args.steps, desc="  training", unit="step", file=sys.stderr,
+               dynamic_ncols=True, mininterval=0.5)
     load = _foreign_load()
     t_train = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -344,8 +319,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 losses.append(loss.item())
         if step % eval_every == 0 or step == args.steps:
             record(step)
-        bar.update(step, statistics.fmean(losses[-50:]), history["raw_acc"][-1],
-                   history["ema_acc"][-1])
+        bar.set_postfix_str(f"train loss {statistics.fmean(losses[-50:]):.3f} | test acc raw "
+                            f"{history['raw_acc'][-1]:5.1f}% EMA {history['ema_acc'][-1]:5.1f}%",
+                            refresh=False)
+        bar.update(1)
+    bar.close()
     train_s = time.perf_counter() - t_train
     busy = load.cores() if load is not None else None
 

@@ -2,6 +2,7 @@
 its EMA model exported.
 
     torchrun --nproc_per_node 2 tools/fsdp_example.py          # 2 CPU ranks (gloo)
+    torchrun --nproc_per_node 1 tools/fsdp_example.py --device cuda   # GPUs (NCCL), rank = GPU
 
 What it does, on every rank:
 
@@ -74,11 +75,14 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x)).clone()  # FSDP2 warns when a root returns a view
 
 
+DEVICE = torch.device("cpu")  # the rank's device: cuda:LOCAL_RANK with --device cuda
+
+
 def batch(step: int, rank: int, size: int = 16):
     """Sequences repeating a random pattern of length 6: the next token is predictable."""
     gen = torch.Generator().manual_seed(10_000 * rank + step)
     pattern = torch.randint(0, VOCAB, (size, 6), generator=gen)
-    seq = pattern.repeat(1, SEQ // 6 + 2)[:, : SEQ + 1]
+    seq = pattern.repeat(1, SEQ // 6 + 2)[:, : SEQ + 1].to(DEVICE)
     return seq[:, :-1], seq[:, 1:]
 
 
@@ -88,7 +92,7 @@ def loss_of(model, idx, target):
 
 def build(seed: int):
     torch.manual_seed(seed)
-    model = TinyGPT()
+    model = TinyGPT().to(DEVICE)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
@@ -126,11 +130,17 @@ def snapshot(model, opt):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo; cuda: NCCL, each rank on cuda:LOCAL_RANK")
     parser.add_argument("--out", default=None, help="where the EMA model is saved "
                         "(default: a temporary directory, removed at the end)")
     args = parser.parse_args()
+    global DEVICE
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     workdir = tempfile.mkdtemp(prefix="fsdp_example_") if rank == 0 else None
     shared = [workdir]
@@ -162,12 +172,12 @@ def main():
             os.makedirs(out_dir, exist_ok=True)
             torch.save(ema, path)
         dist.barrier()
-        plain = TinyGPT()
-        plain.load_state_dict(torch.load(path, weights_only=True))
+        plain = TinyGPT().to(DEVICE)
+        plain.load_state_dict(torch.load(path, weights_only=True, map_location=DEVICE))
         idx, target = batch(10**6, 0, size=64)
         with torch.no_grad():
             ema_loss = loss_of(plain, idx, target).item()
-            raw = TinyGPT()
+            raw = TinyGPT().to(DEVICE)
             raw.load_state_dict({k: v.full_tensor() for k, v in get_model_state_dict(
                 model).items()})  # a collective too
             raw_loss = loss_of(raw, idx, target).item()
@@ -176,7 +186,8 @@ def main():
         prepared = {type(b.prepared).__module__ + "." + type(b.prepared).__name__
                     for plan in opt._plans.values() for b in plan.buckets}
         if rank == 0:
-            print(f"world {world}, {sum(p.numel() for p in plain.parameters())} params, "
+            print(f"world {world} ({dist.get_backend()}, {DEVICE.type}), "
+                  f"{sum(p.numel() for p in plain.parameters())} params, "
                   f"buckets run by {sorted(prepared)} "
                   f"(native extension loaded: {native_cpu.loaded_module is not None})")
             for i in range(0, args.steps, 6):

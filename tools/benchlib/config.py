@@ -24,12 +24,15 @@ DEFAULT_WARMUP = {"W1": 1, "W2": 3, "W3": 1, "S": 5, "S3": 5}
 # Seconds of timed rounds per workload, per thread count and timing mode; the loop stops once
 # over budget (after MIN_ROUNDS), so the default run stays near 5 minutes on 2 cores.
 DEFAULT_BUDGET_S = {"W1": 12.0, "W2": 8.0, "W3": 12.0, "S": 3.0, "S3": 3.0}
-# Back-to-back steps per peer per round in the "burst" timing mode; workloads listed here run it
-# by default (their targets or their cache behaviour call for it), the others only with --burst.
+# Back-to-back steps per peer per round in the "burst" timing mode, timed as one block by
+# Timer.timeit(N) after its two warm-up steps (the same count for every peer, so every peer ends
+# after the same steps); workloads listed here run it by default (their targets or their cache
+# behaviour call for it), the others only with --burst.
 DEFAULT_BURST = {"W2": 5, "S": 10, "S3": 10}
-# Best-of repetitions of each in-place streaming op for the ceiling.
-CEILING_REPS = {"W1": 4, "W3": 4, "W2": 15, "S": 30, "S3": 30}
-QUICK = {"rounds": 3, "warmup": 1, "ceiling_reps": 2, "burst": 3, "incache_steps": 50}
+# min_run_time of the blocked_autorange of each in-place streaming op for the ceiling's fastest
+# block, before and after the rounds.
+CEILING_MIN_RUN_S = {"W1": 0.2, "W3": 0.2, "W2": 0.05, "S": 0.02, "S3": 0.02}
+QUICK = {"rounds": 3, "warmup": 1, "ceiling_s": 0.0, "burst": 3, "incache_steps": 50}
 
 INCACHE_STEPS = 2000
 INCACHE_FALLBACK_NUMEL = 65536

@@ -1,11 +1,26 @@
 """Timing: peers' step times, the in-place streaming ceiling, and the in-cache compute figure.
 
-Peer timing. All peers of a workload live in one process and are timed round by round. In the
-``interleaved`` mode each round steps every peer once (the order rotates each round), so machine
-noise (frequency, other tenants, page cache) hits all peers alike, and every step starts with
-caches holding the previous peer's data. In the ``burst`` mode each round steps one peer N times
-back to back and times steps 2..N: data and threads are warm, as in a training loop where the
-optimizer step follows the backward pass of the same model. Reported per peer: median, p10, p90,
+Every figure comes from ``torch.utils.benchmark``: each peer is a ``Timer`` (label = workload,
+sub_label = peer, description = mode and threads, ``num_threads`` = the thread count) and each
+result a ``Measurement`` (median, IQR, the per-step times), merged over rounds with
+``Measurement.merge`` and printed by ``Compare``. The timer function is torch's, which
+synchronizes an accelerator before reading the clock.
+
+Peer timing. All peers of a workload live in one process and are timed round by round; the
+order rotates each round, so machine noise (frequency, other tenants, page cache) hits all
+peers alike. Two modes:
+  interleaved  each round steps every peer once; every step starts with caches holding the
+               previous peer's data. One step per timing (``timeit.Timer(step).timeit(1)``, the
+               loop torch's Timer wraps, garbage collection off meanwhile): the Timer's own
+               ``timeit`` and ``blocked_autorange`` warm up with steps of the same peer first,
+               which is what this mode must not do; the round-robin has no ecosystem equivalent.
+  burst        each round runs ``Timer.timeit(N)`` per peer: its two warm-up steps, then N
+               back-to-back steps timed as one block (a time is the block's mean per step);
+               data and threads are warm, as in a training loop where the optimizer step
+               follows the backward pass of the same model. Every peer takes the same number of
+               steps (``blocked_autorange`` would choose a block size per peer), so the check
+               that every peer ends where ours does stays meaningful.
+Reported per peer: median, p10, p90 (linear interpolation, as the Measurement's quartiles),
 peer median / ours median (> 1: ours is faster), effective GB/s = the byte model's bytes (what
 the fused update must move, the same for every peer) / median, and that as a % of the ceiling.
 
@@ -19,27 +34,28 @@ The ops run INSIDE the interleaved rounds, as three more "peers", so the ceiling
 with the same statistic and under the same conditions as the peers: each op's median over the
 rounds; the ceiling is the highest of the three median bandwidths. (This machine's memory speed
 changes between rounds, by up to 1.8x: a best-of ceiling against the peers' medians would
-compare a fast moment with a typical one.) The best single repetition of each op is reported
-beside it. These ops own their tensors, so they never disturb a peer's state. On large
-workloads the ceiling is DRAM bandwidth; on small ones (S, W2) the data sits in cache and W2's
-3000 tensors make the ops pay per-tensor overhead, so there a fused step can reach more than
-100% of it.
+compare a fast moment with a typical one.) The fastest block of a ``blocked_autorange`` of each
+op, before and after the rounds, is reported beside it. These ops own their tensors, so they
+never disturb a peer's state. On large workloads the ceiling is DRAM bandwidth; on small ones
+(S, W2) the data sits in cache and W2's 3000 tensors make the ops pay per-tensor overhead, so
+there a fused step can reach more than 100% of it.
 
-In-cache compute. One fp32 tensor small enough that param, grad, m, v and EMA stay in L2, many
-repeated steps on one thread, timed in chunks of 100 steps; the step time is the fastest
-chunk's mean. ns per element per core = step time * threads / elements. This
-is the arithmetic cost when memory is not the limit. The same steps on a tensor a quarter the
-size give the marginal cost per element, i.e. without the fixed per-step overhead (Python, the
+In-cache compute. One fp32 tensor small enough that param, grad, m, v and EMA stay in L2, one
+thread, blocks of 100 steps (``Timer.timeit(100)``); the step time is the fastest block's mean
+(interference only adds time). ns per element per core = step time * threads / elements. This is the
+arithmetic cost when memory is not the limit. The same steps on a tensor a quarter the size
+give the marginal cost per element, i.e. without the fixed per-step overhead (Python, the
 dispatcher, launching), which is printed beside it.
 """
 from __future__ import annotations
 
 import gc
-import statistics
 import time
+import timeit
 from typing import Callable, Dict, List, Optional
 
 import torch
+from torch.utils import benchmark
 
 import fused_optim
 
@@ -54,51 +70,54 @@ CEILING_METHOD = ("highest median bandwidth of in-place streaming ops on the wor
                   "_foreach_add_(a, b) 12 B/elem; same run, same thread count")
 
 
-def percentile(sorted_values: List[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    k = (len(sorted_values) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+def make_timer(step: Callable[[], None], label: str, sub_label: str, description: str,
+               threads: int) -> benchmark.Timer:
+    return benchmark.Timer(stmt="step()", globals={"step": step}, label=label,
+                           sub_label=sub_label, description=description, num_threads=threads)
 
 
-def summarize(times: List[float]) -> Dict[str, object]:
-    ts = sorted(times)
-    return {"median_s": statistics.median(ts), "min_s": ts[0], "mean_s": statistics.fmean(ts),
-            "p10_s": percentile(ts, 0.10), "p90_s": percentile(ts, 0.90), "times_s": list(times)}
+def summarize(m: benchmark.Measurement) -> Dict[str, object]:
+    """A Measurement's figures for the JSON document: per-step times and their statistics."""
+    ts = torch.tensor(m.times, dtype=torch.float64)
+    return {"median_s": m.median, "min_s": ts.min().item(), "mean_s": m.mean,
+            "p10_s": ts.quantile(0.10).item(), "p90_s": ts.quantile(0.90).item(),
+            "iqr_s": m.iqr, "times_s": list(m.times)}
 
 
-def time_rounds(steps: Dict[str, Callable[[], None]], rounds: int, budget_s: float,
-                burst: int = 1) -> Dict[str, object]:
-    """Round-robin timing. ``burst`` 1: one timed step per peer per round (interleaved);
-    ``burst`` N > 1: N consecutive steps per peer per round, steps 2..N timed."""
-    times: Dict[str, List[float]] = {name: [] for name in steps}
+def time_rounds(steps: Dict[str, Callable[[], None]], rounds: int, budget_s: float, *,
+                label: str, threads: int, burst: int = 0) -> Dict[str, object]:
+    """Round-robin timing, Measurements merged per peer; ``burst`` 0: one timed step per peer
+    per round (interleaved); N: ``Timer.timeit(N)`` per peer per round (burst)."""
+    mode = "burst" if burst else "interleaved"
+    description = mode
     order = list(steps)
+    timers = {name: make_timer(step, label, name, description, threads)
+              for name, step in steps.items()}
+    specs = {name: benchmark.TaskSpec(stmt="step()", setup="pass", label=label, sub_label=name,
+                                      description=description, num_threads=threads)
+             for name in steps}
+    clocks = {name: timeit.Timer(step, timer=benchmark.timer) for name, step in steps.items()}
+    found: List[benchmark.Measurement] = []
     gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
     t_start = time.perf_counter()
     done = 0
-    try:
-        for r in range(rounds):
-            k = r % len(order)
-            for name in order[k:] + order[:k]:
-                step = steps[name]
-                for i in range(burst):
-                    t0 = time.perf_counter()
-                    step()
-                    if burst == 1 or i > 0:
-                        times[name].append(time.perf_counter() - t0)
-            done = r + 1
-            if done >= config.MIN_ROUNDS and time.perf_counter() - t_start > budget_s:
-                break
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return {"rounds": done, "steps_per_round": burst,
-            "timed_steps_per_round": burst - 1 if burst > 1 else 1,
-            "wall_s": time.perf_counter() - t_start, "times": times}
+    for r in range(rounds):
+        k = r % len(order)
+        for name in order[k:] + order[:k]:
+            if burst:
+                found.append(timers[name].timeit(burst))
+            else:
+                found.append(benchmark.Measurement(1, [clocks[name].timeit(1)], specs[name]))
+        done = r + 1
+        if done >= config.MIN_ROUNDS and time.perf_counter() - t_start > budget_s:
+            break
+    merged = {m.task_spec.sub_label: m for m in benchmark.Measurement.merge(found)}
+    timed_steps = {name: 0 for name in steps}
+    for m in found:
+        timed_steps[m.task_spec.sub_label] += m.number_per_run * len(m.raw_times)
+    return {"rounds": done, "mode": mode, "steps_per_block": burst or 1,
+            "timed_steps": timed_steps, "wall_s": time.perf_counter() - t_start,
+            "measurements": {name: merged[name] for name in order}}
 
 
 class CeilingOps:
@@ -126,18 +145,14 @@ class CeilingOps:
             for op in self.ops.values():
                 op()
 
-    @torch.no_grad()
-    def measure(self, reps: int, budget_s: float) -> None:
-        """Up to ``reps`` repetitions of every op, fewer (at least one) once over ``budget_s``."""
-        t_start = time.perf_counter()
-        for _ in range(reps):
-            for name, op in self.ops.items():
-                t0 = time.perf_counter()
-                op()
-                self.best_s[name] = min(self.best_s[name], time.perf_counter() - t0)
-            self.reps += 1
-            if time.perf_counter() - t_start > budget_s:
-                break
+    def measure(self, min_run_time_s: float, threads: int) -> None:
+        """The fastest block of a ``Timer.blocked_autorange`` of every op."""
+        for name, op in self.round_steps().items():
+            m = make_timer(op, "ceiling", name, f"{threads} thr", threads).blocked_autorange(
+                min_run_time=min_run_time_s)
+            self.best_s[name[len(self.PREFIX):]] = min(self.best_s[name[len(self.PREFIX):]],
+                                                       min(m.times))
+            self.reps += m.number_per_run * len(m.raw_times)
 
     PREFIX = "ceiling:"
 
@@ -150,13 +165,13 @@ class CeilingOps:
             return step
         return {self.PREFIX + name: no_grad(op) for name, op in self.ops.items()}
 
-    def result(self, round_times: Dict[str, List[float]]) -> Dict[str, object]:
-        """The ceiling from the ops' median times in the rounds (``round_times`` holds the
-        ``ceiling:*`` entries, removed from it here); best repetitions beside them."""
+    def result(self, rounds: Dict[str, benchmark.Measurement]) -> Dict[str, object]:
+        """The ceiling from the ops' median times in the rounds (``rounds`` holds the
+        ``ceiling:*`` Measurements, removed from it here); fastest blocks beside them."""
         ops = {}
         for name, best in self.best_s.items():
             nbytes = self.BYTES_PER_ELEMENT[name] * self.numel
-            median = statistics.median(round_times.pop(self.PREFIX + name))
+            median = rounds.pop(self.PREFIX + name).median
             ops[name] = {"bytes_per_element": self.BYTES_PER_ELEMENT[name], "bytes_per_step": nbytes,
                          "median_s": median, "gbps": nbytes / median / 1e9,
                          "best_s": best, "best_gbps": nbytes / best / 1e9, "reps": self.reps}
@@ -169,18 +184,22 @@ class CeilingOps:
         self.reps = 0
 
 
-def _peer_figures(wl: Workload, timing: Dict[str, object], ceiling_gbps: float) -> Dict[str, object]:
-    times = timing.pop("times")
-    ours = statistics.median(times["ours"]) if times.get("ours") else None
+def _peer_figures(wl: Workload, timing: Dict[str, object], ceiling_gbps: float,
+                  compare: List[benchmark.Measurement]) -> Dict[str, object]:
+    found = timing.pop("measurements")
+    compare += found.values()
+    ours = found["ours"].median if "ours" in found else None
     peers = {}
-    for name, ts in times.items():
-        fig = summarize(ts)
+    for name, m in found.items():
+        fig = summarize(m)
+        fig["timed_steps"] = timing["timed_steps"][name]
         gbps = wl.bytes_per_step / fig["median_s"] / 1e9
         fig["ratio_vs_ours"] = fig["median_s"] / ours if ours else None
         fig["effective_gbps"] = gbps
         fig["pct_of_ceiling"] = 100.0 * gbps / ceiling_gbps if ceiling_gbps else None
         peers[name] = fig
     timing["peers"] = peers
+    del timing["timed_steps"]
     return timing
 
 
@@ -210,7 +229,7 @@ def _checks(peers: Dict[str, Peer]) -> Dict[str, Dict[str, object]]:
 
 
 def run_workload(wl: Workload, peer_names: List[str], threads_list: List[int], *, rounds: int,
-                 warmup: int, budget_s: float, burst: int, ceiling_reps: int,
+                 warmup: int, budget_s: float, burst: int, ceiling_s: float,
                  measure_memory: bool) -> Dict[str, object]:
     """Time every peer of ``wl`` at each thread count; see the module doc for what is measured."""
     print(f"\n[{wl.name}] {wl.description}: {len(wl.shapes)} tensors, {wl.numel:,} elements; "
@@ -221,6 +240,7 @@ def run_workload(wl: Workload, peer_names: List[str], threads_list: List[int], *
     steps = {name: peer.step for name, peer in peers.items()}
     clock.lap("setup")
     by_threads: Dict[str, object] = {}
+    compare: List[benchmark.Measurement] = []
     for n in threads_list:
         torch.set_num_threads(n)
         foreign = machine.ForeignLoad()
@@ -229,24 +249,27 @@ def run_workload(wl: Workload, peer_names: List[str], threads_list: List[int], *
                 step()
         clock.lap("warmup")
         ceiling.reset()
-        ceiling.measure((ceiling_reps + 1) // 2, budget_s / 4)
+        ceiling.measure(ceiling_s, n)
         clock.lap("ceiling")
-        inter = time_rounds(dict(steps, **ceiling.round_steps()), rounds, budget_s)
-        back = time_rounds(steps, rounds, budget_s, burst) if burst > 1 else None
+        inter = time_rounds(dict(steps, **ceiling.round_steps()), rounds, budget_s,
+                            label=wl.name, threads=n)
+        back = (time_rounds(steps, rounds, budget_s, label=wl.name, threads=n, burst=burst)
+                if burst else None)
         clock.lap("timing")
-        ceiling.measure(max(1, ceiling_reps // 2), budget_s / 4)
+        ceiling.measure(ceiling_s, n)
         clock.lap("ceiling")
-        ceil = ceiling.result(inter["times"])
+        ceil = ceiling.result(inter["measurements"])
         entry = {"threads": n, "warmup_steps": warmup, "other_processes_cores": foreign.cores(),
                  "ceiling": ceil,
-                 "interleaved": _peer_figures(wl, inter, ceil["gbps"]),
-                 "burst": _peer_figures(wl, back, ceil["gbps"]) if back else None}
+                 "interleaved": _peer_figures(wl, inter, ceil["gbps"], compare),
+                 "burst": _peer_figures(wl, back, ceil["gbps"], compare) if back else None}
         entry["targets"] = [dict(t, threads=n) for t in targets.score_workload(wl.name, entry)]
         by_threads[str(n)] = entry
         line = (f"[{wl.name}] {n} thread(s): ceiling {ceil['gbps']:.1f} GB/s ({ceil['best_op']}); "
                 f"{inter['rounds']} interleaved rounds in {inter['wall_s']:.1f} s")
         if back:
-            line += f", {back['rounds']} burst rounds of {burst} steps in {back['wall_s']:.1f} s"
+            line += (f", {back['rounds']} burst rounds of Timer.timeit({burst}) "
+                     f"in {back['wall_s']:.1f} s")
         if entry["other_processes_cores"] is not None:
             line += f"; other processes kept {entry['other_processes_cores']:.2f} cores busy"
         print(line, flush=True)
@@ -277,11 +300,12 @@ def run_workload(wl: Workload, peer_names: List[str], threads_list: List[int], *
         "byte_model": config.BYTE_MODELS[wl.byte_model_key],
         "bytes_per_element": config.BYTES_PER_ELEMENT,
         "bytes_per_step": wl.bytes_per_step,
-        "burst_steps": burst if burst > 1 else None,
+        "burst_steps": burst or None,
         "peers": per_peer,
         "by_threads": by_threads,
         "wall_s": wall_s,
         "phase_s": clock.seconds,
+        "compare": compare,  # Measurements for the Compare table; bench.py takes them out
     }
 
 
@@ -375,18 +399,14 @@ INCACHE_DESCRIPTIONS = {
 
 
 @torch.no_grad()
-def _per_step_s(step: Callable[[], None], steps: int, chunk: int = 100) -> float:
-    """Per-step time of the fastest chunk of ``chunk`` steps: interference only adds time."""
+def _per_step_s(step: Callable[[], None], name: str, steps: int, chunk: int = 100) -> float:
+    """Per-step time of the fastest of ``steps // chunk`` blocks of ``chunk`` back-to-back steps
+    (``Timer.timeit(chunk)``, two warm-up steps each): interference only adds time. Fixed-size
+    blocks, where ``blocked_autorange`` would pick one block of thousands for a 10 us step and
+    leave no fastest block to take on a busy machine."""
     chunk = max(1, min(chunk, steps))
-    for _ in range(min(50, steps)):
-        step()
-    chunks = []
-    for _ in range(max(1, steps // chunk)):
-        t0 = time.perf_counter()
-        for _ in range(chunk):
-            step()
-        chunks.append((time.perf_counter() - t0) / chunk)
-    return min(chunks)
+    timer = make_timer(step, "in-cache", name, "1 thr", 1)
+    return min(min(timer.timeit(chunk).times) for _ in range(max(1, steps // chunk)))
 
 
 def in_cache(numel: int, steps: int, with_deepspeed: bool, caches: Dict[str, int]) -> Dict[str, object]:
@@ -404,8 +424,8 @@ def in_cache(numel: int, steps: int, with_deepspeed: bool, caches: Dict[str, int
         try:
             peers = {}
             for name, step in large_steppers.items():
-                t_large = _per_step_s(step, steps)
-                t_small = _per_step_s(small_steppers[name], steps)
+                t_large = _per_step_s(step, name, steps)
+                t_small = _per_step_s(small_steppers[name], name, steps)
                 marginal = max(0.0, (t_large - t_small) / (numel - small)) if numel > small else None
                 fixed = None if marginal is None else t_large - marginal * numel
                 peers[name] = {
@@ -432,8 +452,8 @@ def in_cache(numel: int, steps: int, with_deepspeed: bool, caches: Dict[str, int
         ours_tiny = fused_optim.FusedEmaAdamW([tiny], lr=LR, betas=BETAS, eps=EPS,
                                               weight_decay=WEIGHT_DECAY, ema_decay=EMA_DECAY).step
         wrapper = _NoopOptimizer([torch.empty(16)]).step
-        t_ours = min(_per_step_s(ours_tiny, steps) for _ in range(5))
-        t_wrapper = min(_per_step_s(wrapper, steps) for _ in range(5))
+        t_ours = min(_per_step_s(ours_tiny, "ours_tiny", steps) for _ in range(5))
+        t_wrapper = min(_per_step_s(wrapper, "torch_wrapper", steps) for _ in range(5))
     finally:
         torch.set_num_threads(previous)
     if "ours" in peers:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
+from torch.utils import benchmark
+
 from . import config, memory, targets
 from .measure import CEILING_METHOD
 from .peers import DESCRIPTIONS
@@ -47,6 +49,15 @@ def _target_note(scored: List[Dict[str, object]], peer: str, mode: str) -> str:
     return ""
 
 
+def print_compare(found: List[benchmark.Measurement]) -> None:
+    """The step times as ``torch.utils.benchmark.Compare`` tables: one per workload, a row per
+    peer and thread count, a column per timing mode (medians; the in-place ops of the ceiling
+    as ``ceiling:*`` rows)."""
+    if not found:
+        return
+    benchmark.Compare(found).print()
+
+
 def print_workload(name: str, res: Dict[str, object]) -> None:
     print(f"\n== {name}: {res['description']} | {res['n_tensors']} tensors, {res['numel']:,} "
           f"elements | {res['bytes_per_step'] / 1e9:.3f} GB/step")
@@ -61,24 +72,25 @@ def print_workload(name: str, res: Dict[str, object]) -> None:
         if foreign is not None and foreign > NOISY_CORES:
             print(f"   NOISY: other processes kept {foreign:.2f} cores busy during these rounds")
         inter, burst = entry["interleaved"], entry["burst"]
-        head = (f"   {'peer':<17} {'median ms':>10} {'p10..p90 ms':>19} {'peer/ours':>9} "
+        head = (f"   {'peer':<17} {'p10..p90 ms':>19} {'peer/ours':>9} "
                 f"{'target':>7} {'GB/s':>7} {'%ceil':>6}")
         if burst:
-            head += f" | {'burst ms':>9} {'peer/ours':>9} {'target':>7} {'%ceil':>6}"
+            head += f" | {'burst':>5} {'peer/ours':>9} {'target':>7} {'%ceil':>6}"
         print(f"   interleaved: {inter['rounds']} rounds" + (
-            f" | burst: {burst['rounds']} rounds of {burst['steps_per_round']} back-to-back "
-            f"steps, steps 2..{burst['steps_per_round']} timed" if burst else ""))
+            f" | burst: {burst['rounds']} rounds of Timer.timeit({burst['steps_per_block']}), "
+            f"2 warm-up steps + {burst['steps_per_block']} back-to-back" if burst else "")
+            + "; medians in the Compare table")
         print(head)
         print("   " + "-" * (len(head) - 3))
         for peer, r in inter["peers"].items():
-            row = (f"   {peer:<17} {r['median_s'] * 1e3:>10.3f} "
+            row = (f"   {peer:<17} "
                    f"{r['p10_s'] * 1e3:>9.3f}..{r['p90_s'] * 1e3:<8.3f} "
                    f"{_fmt(r['ratio_vs_ours'], '.2f'):>8}x "
                    f"{_target_note(entry['targets'], peer, 'interleaved'):>7} "
                    f"{r['effective_gbps']:>7.1f} {_fmt(r['pct_of_ceiling'], '.1f'):>6}")
             if burst:
                 b = burst["peers"][peer]
-                row += (f" | {b['median_s'] * 1e3:>9.3f} {_fmt(b['ratio_vs_ours'], '.2f'):>8}x "
+                row += (f" | {'':>5} {_fmt(b['ratio_vs_ours'], '.2f'):>8}x "
                         f"{_target_note(entry['targets'], peer, 'burst'):>7} "
                         f"{_fmt(b['pct_of_ceiling'], '.1f'):>6}")
             print(row)
