@@ -47,7 +47,7 @@ _lock = threading.Lock()
 _warned = False
 
 
-def kernels():
+def host_module():
     """The host module of the kernels (imports triton on first use), or None when triton is
     unavailable."""
     global _kernels, load_error
@@ -79,13 +79,13 @@ def _warn_once() -> None:
 
 
 def scale(chunk_size, noop_flag, tensor_lists, scale_factor):
-    k = kernels()
+    k = host_module()
     if k is None or not k.scale(chunk_size, noop_flag, tensor_lists, scale_factor):
         reference.scale(chunk_size, noop_flag, tensor_lists, scale_factor)
 
 
 def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
-    k = kernels()
+    k = host_module()
     out = None if k is None else k.l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
     if out is None:
         return reference.l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
@@ -94,7 +94,7 @@ def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
 
 def prepare(op: str, lists, chunk_size: int, once: bool = False):
     """A bucket bound to its state lists: the Triton bucket, or the reference without triton."""
-    k = kernels()
+    k = host_module()
     if k is None:
         return PreparedOp(reference.adam_family, lists, chunk_size)
     return k.AdamBucket(op, lists, chunk_size)
