@@ -1435,10 +1435,12 @@ def _junit_outcomes(path: str) -> Dict[str, tuple]:
 @pytest.fixture(scope="module")
 def interpreter_outcomes(request, tmp_path_factory):
     """The outcomes of this session's selected cases, run by pytest in one TRITON_INTERPRET=1
-    process (not used inside such a process)."""
+    process (None inside such a process: the cases run right there)."""
     missing = _triton_missing()
     if missing:
         pytest.skip(missing)
+    if IN_INTERPRETER:
+        return None
     here = os.path.abspath(__file__)
     names = [item.callspec.params["name"] for item in request.session.items
              if item.originalname == _TEST and os.path.abspath(str(item.fspath)) == here]
@@ -1456,14 +1458,11 @@ def interpreter_outcomes(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_under_interpreter(request, name):
+def test_kernel_under_interpreter(interpreter_outcomes, name):
     if IN_INTERPRETER:
-        missing = _triton_missing()
-        if missing:
-            pytest.skip(missing)
         CASES[name]()
         return
-    outcomes = request.getfixturevalue("interpreter_outcomes")
+    outcomes = interpreter_outcomes
     assert name in outcomes, f"case {name} did not run in the interpreter's process"
     kind, text = outcomes[name]
     if kind == "skipped":
