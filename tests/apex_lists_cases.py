@@ -3,8 +3,10 @@
 ``[[g], [p], [m], [v], [s]]`` is ``[grads, params, exp_avgs, exp_avg_sqs, emas]`` for the EMA
 ops and ``[..., masters]`` for ``multi_tensor_adam``/``multi_tensor_radam``: the apex adapter
 (:mod:`multi_tensor.ops`) names the lists once, by op, so every backend gives the same result,
-or the same error (an EMA op called with ``ema_decay=None``). Used by tests/test_apex_lists.py
-(reference, native, the NPU stand-in) and tests/test_triton_interpreter.py (the Triton kernels).
+or the same error (an EMA op called with ``ema_decay=None``). :data:`VALID` and :data:`REFUSED`
+say which each call is; :func:`oracle` gives a valid call's bits independently of the backends.
+Used by tests/test_apex_lists.py (reference, native, the NPU stand-in) and
+tests/test_triton_interpreter.py (the Triton kernels).
 """
 from __future__ import annotations
 
@@ -57,6 +59,50 @@ CALLS: List[Callable] = [ema_op_without_decay, radam_ema_op_without_decay, ema_o
                          adam_op_with_masters, radam_op_with_masters]
 
 Outcome = Union[Tuple[str, str], List[torch.Tensor]]
+
+# What each call must do, written from the README's op list and update table (not from a
+# backend): the hyperparameters of a valid call (rule, lr, ema_decay, beta1, beta2, eps, step,
+# decoupled, weight_decay, the weights' list), or the error of a refused one.
+REFUSED = {ema_op_without_decay: ("ValueError", "ema_decay is None", "call multi_tensor_adam)"),
+           radam_ema_op_without_decay: ("ValueError", "ema_decay is None",
+                                        "call multi_tensor_radam)")}
+VALID = {
+    ema_op: dict(rule="adam", lr=1e-3, ema_decay=0.9, beta1=0.9, beta2=0.999, eps=1e-8, step=1,
+                 decoupled=True, weight_decay=0.01, weights=1),
+    adam_op_with_masters: dict(rule="adam", lr=1e-3, ema_decay=None, beta1=0.9, beta2=0.999,
+                               eps=1e-8, step=1, decoupled=True, weight_decay=0.01, weights=4),
+    radam_op_with_masters: dict(rule="radam", lr=1e-3, ema_decay=None, beta1=0.9, beta2=0.999,
+                                eps=1e-8, step=7, decoupled=True, weight_decay=0.01, weights=4),
+}
+
+
+def oracle(run: Callable) -> List[torch.Tensor]:
+    """The tensors a valid call leaves, from tests/ieee_oracle.py (numpy fp32, one rounding per
+    line; its scalars from the documented formulas): the fifth list is the EMA for the EMA op,
+    the fp32 master (the weights the update runs on; the param gets it back) for the others."""
+    import numpy as np
+
+    import ieee_oracle
+    kw = dict(VALID[run])
+    weights = kw.pop("weights")
+    c = ieee_oracle.scalars(bias_correction=True, **kw)
+    g, p, m, v, fifth = (ieee_oracle.as_numpy(ts[0]) for ts in _tensors())
+    w = fifth if weights == 4 else p
+    w2, m2, v2, s2 = ieee_oracle.adam_update(c, g, w, m, v, fifth if c.ema else None,
+                                             dtype=np.float32)
+    out = [g, w2, m2, v2, s2 if c.ema else w2]
+    return [torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) for x in out]
+
+
+def assert_expected(got: Outcome, run: Callable, what: str) -> None:
+    """A refused call: the declared error; a valid one: the oracle's bits (a refusal fails)."""
+    if run in REFUSED:
+        kind, *texts = REFUSED[run]
+        assert isinstance(got, tuple) and got[0] == kind and all(t in got[1] for t in texts), \
+            f"{what}: expected {kind} saying {texts!r}, got {got!r}"
+        return
+    assert not isinstance(got, tuple), f"{what}: a valid call was refused: {got!r}"
+    assert_same_outcome(got, oracle(run), what + " (against the numpy oracle)")
 
 
 def outcome(run: Callable, backend: str) -> Outcome:

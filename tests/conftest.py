@@ -1,4 +1,4 @@
-"""Shared pytest configuration: import paths and the ``backend`` fixture.
+"""Shared pytest configuration: import paths, the ``backend`` and ``standin`` fixtures.
 
 Tests that take the ``backend`` fixture run once per multi-tensor backend, with the test body
 inside ``multi_tensor.backends.forced_backend(name)``. ``native_cpu`` is skipped (with the reason
@@ -49,6 +49,15 @@ def backend(request):
         pytest.skip(_why_not_registered(name))
     with forced_backend(name):
         yield name
+
+
+@pytest.fixture
+def standin():
+    """The NPU CPU stand-in (multi_tensor/testing/npu_standin.py) as the backend for "npu",
+    running the exact torch path ("torch" mode); yields the registered backend."""
+    from multi_tensor.testing import npu_standin
+    with npu_standin.standin_backend(mode="torch") as backend:
+        yield backend
 
 
 def pytest_configure(config):

@@ -34,10 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import multi_tensor  # noqa: E402
+import helpers  # noqa: E402
 from multi_tensor import (multi_tensor_applier, multi_tensor_radam,  # noqa: E402
                           multi_tensor_radam_ema)
-from multi_tensor.backends import forced_backend  # noqa: E402
 from multi_tensor.rules import radam_rect  # noqa: E402
 from fused_optim import (AdamStateMixin, FusedAdam, FusedAdamW, FusedEmaAdamW,  # noqa: E402
                          FusedRAdam)
@@ -47,19 +46,9 @@ STEPS = 200
 SHAPES = [(33, 17), (64,), (5, 4, 3), (1,)]
 
 
-@pytest.fixture(params=["reference", "native_cpu"])
-def mt_backend(request):
-    names = [b.name for b in multi_tensor.registered_backends()]
-    if request.param not in names:
-        pytest.skip(f"backend {request.param!r} not registered (registered: {names})")
-    with forced_backend(request.param):
-        yield request.param
-
-
 # --- helpers ------------------------------------------------------------------------------------
 def init_values(dtype=torch.float32, seed=0, shapes=SHAPES):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen, dtype=torch.float32).to(dtype) for s in shapes]
+    return [p.detach() for p in helpers.make_params(shapes, dtype, seed)]
 
 
 def grads_at(step, shapes=SHAPES, dtype=torch.float32, seed=1):
@@ -158,7 +147,7 @@ ADAM_GROUPS = {
 # --- FusedAdam / FusedAdamW vs torch ------------------------------------------------------------
 @pytest.mark.parametrize("groups", list(ADAM_GROUPS), ids=list(ADAM_GROUPS))
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw_mode", "adam_mode"])
-def test_fused_adam_matches_torch(mt_backend, adam_w_mode, groups):
+def test_fused_adam_matches_torch(backend, adam_w_mode, groups):
     def fused(g):
         return FusedAdam(g, lr=2e-3, adam_w_mode=adam_w_mode)
 
@@ -170,7 +159,7 @@ def test_fused_adam_matches_torch(mt_backend, adam_w_mode, groups):
 
 
 @pytest.mark.parametrize("groups", list(ADAM_GROUPS), ids=list(ADAM_GROUPS))
-def test_fused_adamw_matches_torch(mt_backend, groups):
+def test_fused_adamw_matches_torch(backend, groups):
     compare_with_torch(lambda g: FusedAdamW(g, lr=2e-3), lambda g: torch.optim.AdamW(g, lr=2e-3),
                        ADAM_GROUPS[groups], torch_decay_bias=True)
 
@@ -223,7 +212,7 @@ EXACT_MATH_CASES = {
 
 
 @pytest.mark.parametrize("case", list(EXACT_MATH_CASES))
-def test_matches_exact_math_better_than_torch(mt_backend, case):
+def test_matches_exact_math_better_than_torch(backend, case):
     """fp32 FusedAdamW/FusedRAdam vs torch's AdamW/RAdam run in float64: plain fp32 tolerance,
     no bias allowance."""
     fused_cls, torch_cls, groups = EXACT_MATH_CASES[case]
@@ -245,7 +234,7 @@ def has_decoupled(group_options) -> bool:
 
 
 @pytest.mark.parametrize("groups", list(RADAM_GROUPS), ids=list(RADAM_GROUPS))
-def test_fused_radam_matches_torch(mt_backend, groups):
+def test_fused_radam_matches_torch(backend, groups):
     """Not bitwise (module docstring: another op order): rtol 1e-5 / atol 1e-6 elementwise, and
     the largest deviation over 200 steps below 1e-5 (measured 2.4e-7) plus, with decoupled decay,
     torch's decay-factor bias ``steps * rounding * max|p|`` (measured 2.2e-5 in all)."""
@@ -260,7 +249,7 @@ def test_fused_radam_matches_torch(mt_backend, groups):
     assert diff < bound
 
 
-def test_fused_radam_with_ema_matches_torch_plus_hand_ema(mt_backend):
+def test_fused_radam_with_ema_matches_torch_plus_hand_ema(backend):
     decay = 0.9
     values = init_values()
     pf, pt = params_of(values), params_of(values)
@@ -291,7 +280,7 @@ def test_fused_radam_without_ema_keeps_no_ema_state():
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "radam", "radam_ema"])
-def test_small_model_matches_torch(mt_backend, name):
+def test_small_model_matches_torch(backend, name):
     """A small MLP, grads from the loss (so they depend on the params), 200 steps."""
     torch.manual_seed(0)
     x, y = torch.randn(64, 8), torch.randn(64, 1)
@@ -319,7 +308,7 @@ def test_small_model_matches_torch(mt_backend, name):
 # --- low precision with fp32 masters ------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["adam", "adamw", "radam", "radam_ema"])
-def test_low_precision_with_masters_tracks_fp32_torch(mt_backend, dtype, name):
+def test_low_precision_with_masters_tracks_fp32_torch(backend, dtype, name):
     """Masters follow torch's fp32 run (same grads) within fp32 rounding; params are the masters
     rounded once; the low-precision param is within its own resolution of torch's fp32 param."""
     values = init_values(dtype)
@@ -489,7 +478,7 @@ def test_radam_op_errors_name_the_problem():
     assert torch.equal(p, op_inputs()[1])
 
 
-def test_radam_chunk_sizes_bitwise_identical(mt_backend):
+def test_radam_chunk_sizes_bitwise_identical(backend):
     """The op and FusedRAdam give the same bits for chunk sizes 1, 7 and 65536."""
     results = []
     for chunk in (1, 7, 65536):
@@ -512,7 +501,7 @@ def test_radam_chunk_sizes_bitwise_identical(mt_backend):
 
 
 # --- AMP, state dicts, complex, errors ----------------------------------------------------------
-def test_grad_scaler_skips_inf_step_for_fused_adam(mt_backend):
+def test_grad_scaler_skips_inf_step_for_fused_adam(backend):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     ref = copy.deepcopy(model)
@@ -545,7 +534,7 @@ def test_grad_scaler_skips_inf_step_for_fused_adam(mt_backend):
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "radam", "radam_ema"])
-def test_state_dict_round_trip_continues_bitwise(mt_backend, name):
+def test_state_dict_round_trip_continues_bitwise(backend, name):
     def make(params):
         if name == "adam":
             return FusedAdam(params, lr=1e-2, weight_decay=0.01, master_weights=True)
@@ -577,7 +566,7 @@ def test_state_dict_round_trip_continues_bitwise(mt_backend, name):
 
 
 @pytest.mark.parametrize("name", ["adamw", "adam_l2", "radam", "radam_decoupled"])
-def test_complex_params_match_torch(mt_backend, name):
+def test_complex_params_match_torch(backend, name):
     shapes = [(6, 5), (11,)]
     gen = torch.Generator().manual_seed(3)
     values = [torch.randn(s, generator=gen, dtype=torch.complex64) for s in shapes]

@@ -452,27 +452,46 @@ SCALE_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.float16),
                 (torch.bfloat16, torch.float64), (torch.float64, torch.float64)]
 
 
-@pytest.mark.parametrize("src_dtype,dst_dtype", SCALE_DTYPES, ids=lambda d: str(d)[6:])
+def _scale_oracle(src: torch.Tensor, dst_dtype: torch.dtype, factor: float) -> torch.Tensor:
+    """apex scale in numpy: the product in fp32 (fp64 when the source or the destination is
+    fp64), one IEEE rounding, then rounded once to ``dst_dtype`` (round to nearest even)."""
+    import numpy as np
+
+    from ieee_oracle import bf16_round
+    k = np.float64 if torch.float64 in (src.dtype, dst_dtype) else np.float32
+    prod = src.to(torch.float64).numpy().astype(k) * k(factor)
+    if dst_dtype == torch.bfloat16:
+        return torch.from_numpy(bf16_round(prod.astype(np.float32))).to(torch.bfloat16)
+    kind = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+    return torch.from_numpy(np.ascontiguousarray(prod.astype(kind[dst_dtype])))
+
+
+# torch's fp64 -> fp16 conversion goes through fp32 (two roundings): 3 of 40,000 products here
+# land on a different fp16 than the one correctly rounded value the scale op promises. Strict:
+# it fails as soon as the op rounds once.
+_DOUBLE_ROUNDED = pytest.mark.xfail(strict=True, reason="fp64 -> fp16 is rounded twice (via fp32)")
+SCALE_CASES = [pytest.param(s, d, marks=_DOUBLE_ROUNDED)
+               if (s, d) == (torch.float64, torch.float16) else (s, d) for s, d in SCALE_DTYPES]
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", SCALE_CASES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_scale_bitwise_vs_reference(backend, src_dtype, dst_dtype):
+def test_scale_bitwise_vs_oracle(backend, src_dtype, dst_dtype):
     backend_obj(backend, "scale")
     gen = torch.Generator().manual_seed(31)
     shapes = [(1,), (17,), (65,), (40000,), (0,), (9, 4), (6, 10)]
     srcs = [(torch.randn(s, generator=gen, dtype=torch.float64) * 1000).to(src_dtype)
             for s in shapes]
     srcs[-2] = srcs[-2].t()  # a non-contiguous source
-    outs = {}
-    for name in ("reference", backend):
-        dsts = [torch.full(s.shape, 7.0, dtype=dst_dtype) for s in srcs]
-        dsts[-1] = torch.full((10, 6), 7.0, dtype=dst_dtype).t()  # a non-contiguous destination
-        noop = torch.zeros(1, dtype=torch.int32)
-        with forced_backend(name):
-            assert backend_for("scale", "cpu").name == name
-            multi_tensor.multi_tensor_scale(7, noop, [srcs, dsts], 0.37)
-        assert noop.item() == 0
-        outs[name] = dsts
-    for i, (a, e) in enumerate(zip(outs[backend], outs["reference"])):
-        assert_bitwise_equal(a, e, f"{backend} scale dst[{i}]")
+    dsts = [torch.full(s.shape, 7.0, dtype=dst_dtype) for s in srcs]
+    dsts[-1] = torch.full((10, 6), 7.0, dtype=dst_dtype).t()  # a non-contiguous destination
+    noop = torch.zeros(1, dtype=torch.int32)
+    with forced_backend(backend):
+        assert backend_for("scale", "cpu").name == backend
+        multi_tensor.multi_tensor_scale(7, noop, [srcs, dsts], 0.37)
+    assert noop.item() == 0
+    for i, (a, src) in enumerate(zip(dsts, srcs)):
+        assert_bitwise_equal(a, _scale_oracle(src, dst_dtype, 0.37), f"{backend} scale dst[{i}]")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64],

@@ -79,8 +79,7 @@ CASES = {
 }
 
 
-def make_params(dtype=torch.float32, seed=0):
-    return helpers.make_params(((6, 5), (11,)), dtype, seed)
+SHAPES = ((6, 5), (11,))  # the params every test here makes (helpers.make_params)
 
 
 def set_grads(params, t, seed=1000):
@@ -161,7 +160,7 @@ def test_known_values():
 
 # --- the optimizer applies them -----------------------------------------------------------------
 def run_and_record(options, steps=STEPS, dtype=torch.float32, decay=0.97):
-    params = make_params(dtype)
+    params = helpers.make_params(SHAPES, dtype)
     opt = FusedEmaAdamW(params, lr=3e-2, weight_decay=0.01, ema_decay=decay, **options)
     weights = [[p.detach().to(torch.float64).clone()] for p in params]
     decays = []
@@ -195,7 +194,7 @@ def test_ema_equals_float64_recursion(name, backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_before_start_step_ema_tracks_params_exactly(dtype, backend):
     start = 6
-    params = make_params(dtype)
+    params = helpers.make_params(SHAPES, dtype)
     opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.99, ema_start_step=start,
                         ema_schedule="warmup")
     for t in range(1, start + 4):
@@ -212,7 +211,7 @@ def test_before_start_step_ema_tracks_params_exactly(dtype, backend):
 
 
 def test_per_param_counter_with_skipped_params():
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.999, ema_schedule="warmup")
     for t in range(1, 6):
         set_grads(params, t)
@@ -227,7 +226,7 @@ def test_per_param_counter_with_skipped_params():
 @pytest.mark.parametrize("schedule,hand", [("diffusers", hand_diffusers),
                                            ("diffusers_warmup", hand_diffusers_warmup)])
 def test_overflow_step_does_not_advance_the_schedule(schedule, hand):
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.999, ema_schedule=schedule)
     for t in range(1, 4):
         set_grads(params, t)
@@ -264,7 +263,7 @@ def test_overflow_step_does_not_advance_the_schedule(schedule, hand):
 ])
 def test_invalid_options_raise(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        FusedEmaAdamW(make_params(), ema_decay=0.99, **bad)
+        FusedEmaAdamW(helpers.make_params(SHAPES), ema_decay=0.99, **bad)
 
 
 @pytest.mark.parametrize("value,error,match", [
@@ -277,7 +276,7 @@ def test_bad_callable_value_raises_before_anything_changes(value, error, match):
     def schedule(n):
         return value if n == 3 else 0.9
 
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.99, ema_schedule=schedule)
     for t in (1, 2):
         set_grads(params, t)
@@ -294,7 +293,7 @@ def test_bad_callable_value_raises_before_anything_changes(value, error, match):
 
 
 def test_invalid_option_set_on_a_group_raises_at_step_before_anything_changes():
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW([{"params": params[:1]}, {"params": params[1:]}], ema_decay=0.99)
     set_grads(params, 1)
     opt.step()
@@ -307,7 +306,7 @@ def test_invalid_option_set_on_a_group_raises_at_step_before_anything_changes():
 
 
 def test_set_ema_schedule_and_param_group_options():
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW([{"params": params[:1], "ema_schedule": "diffusers"}, {"params": params[1:]}],
                         ema_decay=0.99)
     assert opt.param_groups[0]["ema_schedule"] == "diffusers"
@@ -332,7 +331,7 @@ def test_set_ema_schedule_and_param_group_options():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_state_dict_round_trip_continues_the_schedule_exactly(options, dtype, backend):
     total, cut = 30, 11
-    ref_params = make_params(dtype)
+    ref_params = helpers.make_params(SHAPES, dtype)
     ref = FusedEmaAdamW(ref_params, lr=2e-2, ema_decay=0.995, **options)
     ref_decays = []
     for t in range(1, total + 1):
@@ -340,7 +339,7 @@ def test_state_dict_round_trip_continues_the_schedule_exactly(options, dtype, ba
         ref.step()
         ref_decays.append(ref.last_ema_decays[(0, t)])
 
-    params = make_params(dtype)
+    params = helpers.make_params(SHAPES, dtype)
     opt = FusedEmaAdamW(params, lr=2e-2, ema_decay=0.995, **options)
     for t in range(1, cut + 1):
         set_grads(params, t)
@@ -370,7 +369,7 @@ def test_state_dict_round_trip_continues_the_schedule_exactly(options, dtype, ba
 
 
 def test_old_state_dict_without_schedule_keys_keeps_current_options():
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW(params, ema_decay=0.99)
     set_grads(params, 1)
     opt.step()
@@ -388,7 +387,7 @@ def test_old_state_dict_without_schedule_keys_keeps_current_options():
 
 
 def test_callable_schedule_survives_state_dict_in_memory():
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW(params, ema_decay=0.99, ema_schedule=user_schedule)
     set_grads(params, 1)
     opt.step()
@@ -404,12 +403,9 @@ def test_callable_schedule_survives_state_dict_in_memory():
 @pytest.mark.parametrize("schedule,hand", [("diffusers", hand_diffusers),
                                            ("diffusers_warmup", hand_diffusers_warmup)])
 def test_fused_radam_ema_schedule(schedule, hand):
-    import fused_optim
+    from fused_optim import FusedRAdam
 
-    FusedRAdam = getattr(fused_optim, "FusedRAdam", None)
-    if FusedRAdam is None:
-        pytest.skip("fused_optim.FusedRAdam does not exist in this checkout")
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedRAdam(params, lr=1e-2, ema_decay=0.99)
     opt.set_ema_schedule(schedule, ema_start_step=2)
     weights = [[p.detach().double().clone()] for p in params]
@@ -428,7 +424,7 @@ def test_fused_radam_ema_schedule(schedule, hand):
             s = d * s + (1 - d) * w[t]
         torch.testing.assert_close(opt.state[p]["ema"].double(), s, rtol=2e-6, atol=2e-6)
     # without an EMA the schedule options are inert
-    plain = FusedRAdam(make_params(), lr=1e-2)
+    plain = FusedRAdam(helpers.make_params(SHAPES), lr=1e-2)
     set_grads(plain.param_groups[0]["params"], 1)
     plain.step()
     assert plain.last_ema_decays == {}

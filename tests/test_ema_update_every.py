@@ -59,20 +59,45 @@ def test_params_as_without_ema_and_ema_only_on_updating_steps(backend, dtype, ev
             np.testing.assert_array_equal(opt.state[p]["ema"].float().numpy(), s, err_msg=str(t))
 
 
-def test_skipped_steps_run_the_op_without_ema(backend):
-    """Between updates the bucket runs the no-EMA op: the EMA tensor is not even read (a NaN
-    planted in it stays, and does not reach the params)."""
+def test_skipped_steps_run_the_op_without_ema(backend, monkeypatch):
+    """Between updates the bucket runs the no-EMA op, so the EMA is neither read nor written:
+    the bucket prepared with the EMA runs only at the updating steps (runs counted per prepared
+    bucket), and a finite sentinel planted in the EMA after step 1 keeps its bits through steps
+    2-4; at step 5 the update reads it (the sentinel's lerp is what the EMA then holds)."""
     params = _params(torch.float32)
     opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.5, ema_update_every=4)
-    for t in range(1, 4):
+    runs = []
+
+    def counted(cls):
+        original = cls.run
+
+        def run(self, *args, **kwargs):
+            runs[-1].append(self)
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "run", run)
+
+    sentinel = 1234.5
+    for t in range(1, 6):
         for p, g in zip(params, _grads(params, t)):
             p.grad = g
-        if t == 2:
-            opt.state[params[0]]["ema"].view(-1)[0] = float("nan")
+        runs.append([])
         opt.step()
-    (bucket,) = opt._plans[id(opt.param_groups[0])].buckets
-    assert bucket.every == 4 and bucket.ema_free is not bucket.prepared
-    assert torch.isnan(opt.state[params[0]]["ema"].view(-1)[0])
+        if t == 1:
+            (bucket,) = opt._plans[id(opt.param_groups[0])].buckets
+            assert bucket.every == 4 and bucket.ema_free is not bucket.prepared
+            for cls in {type(bucket.prepared), type(bucket.ema_free)}:
+                counted(cls)
+            ema = opt.state[params[0]]["ema"]
+            ema.view(-1)[0] = sentinel
+            planted = [opt.state[p]["ema"].clone() for p in params]
+        elif t < 5:
+            assert runs[-1] == [bucket.ema_free], t   # only the bucket without the EMA ran
+            for p, s in zip(params, planted):
+                assert torch.equal(opt.state[p]["ema"], s), t
+    assert runs[-1] == [bucket.prepared]              # step 5 updates the EMA ...
+    w = params[0].detach().view(-1)[0].numpy()
+    want = _np_lerp(np.float32(sentinel), w, 0.5)     # ... from the sentinel it reads
+    assert ema.view(-1)[0].numpy() == want
     assert all(torch.isfinite(p).all() for p in params)
 
 

@@ -17,10 +17,6 @@ from seed_reference import (SeedParamState, assert_bitwise_equal, assert_close64
 SHAPES = [(5, 4), (4,), (0,), (3, 2, 2), (1,)]
 
 
-def make_params(shapes=SHAPES, dtype=torch.float32, seed=0):
-    return helpers.make_params(shapes, dtype, seed)
-
-
 def make_grads(params, steps, seed=1, dtype=None):
     """``grads[step][i]``: fixed random grads, optionally rounded to ``dtype`` (kept in fp32)."""
     gen = torch.Generator().manual_seed(seed)
@@ -44,8 +40,8 @@ def set_grads(params, grads):
 @pytest.mark.parametrize("adam_w_mode,maximize", [(True, False), (False, False), (True, True)])
 def test_matches_torch_over_100_steps(backend, adam_w_mode, maximize):
     lr, betas, eps, wd, decay = 1e-3, (0.9, 0.999), 1e-8, 0.05, 0.9
-    ours = make_params()
-    theirs = make_params()
+    ours = helpers.make_params(SHAPES)
+    theirs = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW(ours, lr=lr, betas=betas, eps=eps, weight_decay=wd, ema_decay=decay,
                         adam_w_mode=adam_w_mode, maximize=maximize)
     torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
@@ -70,13 +66,13 @@ def test_matches_torch_over_100_steps(backend, adam_w_mode, maximize):
         assert_close64(st["ema"], e, rtol=1e-5, atol=1e-6, msg=f"ema {i}")
         assert st["ema"].dtype == torch.float32
     # the trajectory really moved: 100 steps of lr 1e-3 change params far beyond the tolerance
-    start = make_params()
+    start = helpers.make_params(SHAPES)
     assert any((p - s).abs().max() > 1e-2 for p, s in zip(ours, start) if p.numel())
 
 
 def test_fp64_params_match_torch(backend):
-    ours = make_params(dtype=torch.float64)
-    theirs = make_params(dtype=torch.float64)
+    ours = helpers.make_params(SHAPES, torch.float64)
+    theirs = helpers.make_params(SHAPES, torch.float64)
     opt = FusedEmaAdamW(ours, lr=1e-2, weight_decay=0.1, ema_decay=0.5)
     ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, foreach=False)
     for grads in make_grads(ours, 20):
@@ -113,7 +109,7 @@ def test_real_model_training_loop_matches_torch(backend):
 def test_low_precision_with_masters_tracks_fp32_run(backend, dtype):
     """bf16/fp16 params + fp32 masters vs an fp32 run on the same (representable) grads."""
     decay = 0.9
-    low = make_params(dtype=dtype)
+    low = helpers.make_params(SHAPES, dtype)
     fp32 = [torch.nn.Parameter(p.detach().float()) for p in low]  # the same starting values
     opt = FusedEmaAdamW(low, lr=1e-3, weight_decay=0.05, ema_decay=decay)
     ref = FusedEmaAdamW(fp32, lr=1e-3, weight_decay=0.05, ema_decay=decay)
@@ -145,7 +141,7 @@ def test_low_precision_with_masters_tracks_fp32_run(backend, dtype):
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16])
 def test_bf16_params_with_other_grad_dtypes(backend, grad_dtype):
     """Grads may be fp16/bf16/fp32 (torch's ``grad_dtype``): the masters see the exact grads."""
-    low = make_params(dtype=torch.bfloat16)
+    low = helpers.make_params(SHAPES, torch.bfloat16)
     fp32 = [torch.nn.Parameter(p.detach().float()) for p in low]
     for p in low:
         p.grad_dtype = grad_dtype
@@ -166,7 +162,7 @@ def test_bf16_params_with_other_grad_dtypes(backend, grad_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_master_weights_false_keeps_state_in_param_dtype(backend, dtype):
-    params = make_params(dtype=dtype)
+    params = helpers.make_params(SHAPES, dtype)
     opt = FusedEmaAdamW(params, lr=1e-2, weight_decay=0.05, ema_decay=0.5, master_weights=False)
     grads = make_grads(params, 3, dtype=dtype)
     for it, gs in enumerate(grads):
@@ -265,7 +261,7 @@ def test_bucket_order_does_not_change_bits(backend):
 
 def test_param_without_grad_is_skipped_and_keeps_its_step(backend):
     hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.02, ema_decay=0.8)
-    params = make_params([(4, 3), (5,), (2, 2)])
+    params = helpers.make_params([(4, 3), (5,), (2, 2)])
     refs = [SeedParamState(p) for p in params]
     opt = FusedEmaAdamW(params, **hp)
     gen = torch.Generator().manual_seed(9)
@@ -297,7 +293,7 @@ def test_param_without_grad_is_skipped_and_keeps_its_step(backend):
 
 def test_param_losing_its_grad_after_the_plan_is_cached_is_skipped(backend):
     """One group, one bucket: its call reads the grads itself; a missing one re-plans first."""
-    params = make_params([(4, 3), (5,), (2, 2)])
+    params = helpers.make_params([(4, 3), (5,), (2, 2)])
     opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.8)
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):  # all params step together: one cached plan with one bucket
@@ -315,7 +311,7 @@ def test_param_losing_its_grad_after_the_plan_is_cached_is_skipped(backend):
 
 
 def test_no_grads_at_all_is_a_noop(backend):
-    params = make_params()
+    params = helpers.make_params(SHAPES)
     opt = FusedEmaAdamW(params)
     saved = snapshot(params)
     opt.step()
@@ -332,7 +328,7 @@ GROUP_HP = [dict(lr=1e-2, weight_decay=0.0, ema_decay=0.5, betas=(0.9, 0.999), e
 
 
 def test_param_groups_with_their_own_hyperparameters(backend):
-    params = make_params([(3, 4), (5,), (2, 3), (4,), (6,)])
+    params = helpers.make_params([(3, 4), (5,), (2, 3), (4,), (6,)])
     groups = [{"params": params[:2], **GROUP_HP[0]}, {"params": params[2:4], **GROUP_HP[1]},
               {"params": params[4:], **GROUP_HP[2]}]
     group_of = [0, 0, 1, 1, 2]
@@ -353,7 +349,7 @@ def test_param_groups_with_their_own_hyperparameters(backend):
 
 
 def test_per_group_adam_w_mode_and_bias_correction(backend):
-    params = make_params([(3,), (4,)])
+    params = helpers.make_params([(3,), (4,)])
     opt = FusedEmaAdamW([{"params": [params[0]], "adam_w_mode": False, "bias_correction": False},
                          {"params": [params[1]]}], lr=1e-2, weight_decay=0.1, ema_decay=0.9)
     gs = make_grads(params, 1)[0]
@@ -369,7 +365,7 @@ def test_per_group_adam_w_mode_and_bias_correction(backend):
 
 
 def test_step_lr_scheduler_takes_effect(backend):
-    params = make_params([(4, 3), (5,)])
+    params = helpers.make_params([(4, 3), (5,)])
     opt = FusedEmaAdamW(params, lr=1e-2, weight_decay=0.01, ema_decay=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
     refs = [SeedParamState(p) for p in params]
@@ -389,7 +385,7 @@ def test_step_lr_scheduler_takes_effect(backend):
 
 
 def test_lr_change_in_group_takes_effect_with_cached_plan(backend):
-    params = make_params([(6,)])
+    params = helpers.make_params([(6,)])
     opt = FusedEmaAdamW(params, lr=1e-2, weight_decay=0.0)
     for gs in make_grads(params, 2):
         set_grads(params, gs)
@@ -404,7 +400,7 @@ def test_lr_change_in_group_takes_effect_with_cached_plan(backend):
 
 
 def test_zero_grad(backend):
-    params = make_params([(3,), (2, 2)])
+    params = helpers.make_params([(3,), (2, 2)])
     opt = FusedEmaAdamW(params)
     set_grads(params, make_grads(params, 1)[0])
     opt.step()
@@ -441,7 +437,7 @@ def test_step_with_closure_returns_loss(backend):
 
 
 def test_step_pre_and_post_hooks_fire(backend):
-    params = make_params([(3,)])
+    params = helpers.make_params([(3,)])
     opt = FusedEmaAdamW(params)
     events = []
 
@@ -466,8 +462,8 @@ def test_step_pre_and_post_hooks_fire(backend):
 def test_add_param_group_after_some_steps(backend):
     hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, ema_decay=0.9)
     new_hp = dict(hp, lr=5e-3, ema_decay=0.5)
-    params = make_params([(4,), (2, 3)])
-    extra = make_params([(5,), (3, 3)], dtype=torch.bfloat16, seed=7)
+    params = helpers.make_params([(4,), (2, 3)])
+    extra = helpers.make_params([(5,), (3, 3)], torch.bfloat16, 7)
     opt = FusedEmaAdamW(params, **hp)
     refs = [SeedParamState(p) for p in params]
     extra_refs = [SeedParamState(p) for p in extra]
@@ -640,7 +636,7 @@ def test_ema_state_dict(backend, dtype):
 
 
 def test_ema_of_unstepped_param_is_the_param(backend):
-    params = make_params([(3,), (4,)])
+    params = helpers.make_params([(3,), (4,)])
     opt = FusedEmaAdamW(params, ema_decay=0.5)
     set_grads(params, [torch.ones(3), None])
     opt.step()

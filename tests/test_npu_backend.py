@@ -27,23 +27,13 @@ SHAPES = ((3, 5), (0,), (130,), (1,), (7, 3, 2), (2, 0, 3), (257,))
 STANDIN = "npu_standin"
 
 
-@pytest.fixture
-def standin():
-    with npu_standin.standin_backend(mode="torch") as backend:
-        yield backend
-
-
-def make_params(dtype, shapes=SHAPES, seed=0):
-    return helpers.make_params(shapes, dtype, seed)
-
-
 def grads_for(params, step, dtype=None, scale=1.0):
     return helpers.random_grads(params, 1000 + step, dtype, scale)
 
 
 def train(backend, *, dtype=F32, grad_dtype=None, steps=12, shapes=SHAPES, opt_cls=FusedEmaAdamW,
           skip=lambda step, i: False, scale=None, seed=0, **kwargs):
-    params = make_params(dtype, shapes, seed)
+    params = helpers.make_params(shapes, dtype, seed)
     if grad_dtype is not None:
         for p in params:
             p.grad_dtype = grad_dtype  # torch >= 2.9 checks a grad's dtype against it
@@ -137,7 +127,7 @@ def test_grad_scale_bitwise_and_found_inf_changes_nothing(standin):
 
 
 def test_state_is_flat_aligned_and_the_same_objects(standin):
-    params = make_params(F32)
+    params = helpers.make_params(SHAPES, F32)
     opt = FusedEmaAdamW(params, master_weights=True)
     for p, g in zip(params, grads_for(params, 0)):
         p.grad = g
@@ -162,7 +152,7 @@ def test_state_is_flat_aligned_and_the_same_objects(standin):
 
 
 def test_bf16_master_layout_aligns_to_512_bytes(standin):
-    params = make_params(BF16, ((3,), (5,)))
+    params = helpers.make_params(((3,), (5,)), BF16)
     opt = FusedEmaAdamW(params, master_weights=True)
     for p, g in zip(params, grads_for(params, 0)):
         p.grad = g
@@ -177,7 +167,7 @@ def test_bf16_master_layout_aligns_to_512_bytes(standin):
 
 
 def test_param_without_grad_keeps_its_state_and_step(standin):
-    params = make_params(F32, ((4,), (6,), (5,)))
+    params = helpers.make_params(((4,), (6,), (5,)), F32)
     opt = FusedEmaAdamW(params, weight_decay=0.1)
     for k in range(3):
         for p, g in zip(params, grads_for(params, k)):
@@ -208,7 +198,7 @@ def test_state_dict_round_trip(standin):
     assert saved["opt"]["state"][0]["master_param"].dtype == F32
     assert saved["opt"]["state"][0]["exp_avg"].shape == SHAPES[0]
     # a fresh optimizer loads it and continues; so does an unflattened reference run
-    pc = make_params(BF16)
+    pc = helpers.make_params(SHAPES, BF16)
     with torch.no_grad():
         for p, v in zip(pc, saved["model"]):
             p.copy_(v)
@@ -285,7 +275,7 @@ def test_megatron_style_flat_params_and_grads_copy_nothing(standin):
 
 
 def test_noop_flag_and_check_finite_change_nothing(standin):
-    params = make_params(F32, ((6,), (0,), (9,)))
+    params = helpers.make_params(((6,), (0,), (9,)), F32)
     state = [[torch.rand(p.shape) for p in params] for _ in range(3)]
     grads = grads_for(params, 0)
     before = [[t.clone() for t in ts] for ts in [params] + state]
@@ -306,7 +296,7 @@ def test_noop_flag_and_check_finite_change_nothing(standin):
 def test_fp64_is_refused_at_planning_naming_the_tensor(mode):
     """No fp64 on the AI Core: an fp64 param fails when its bucket is prepared, before any
     state or param changes."""
-    params = make_params(F64, ((3, 5), (4,)))
+    params = helpers.make_params(((3, 5), (4,)), F64)
     opt = FusedEmaAdamW(params)
     for p, g in zip(params, grads_for(params, 0)):
         p.grad = g
@@ -318,7 +308,7 @@ def test_fp64_is_refused_at_planning_naming_the_tensor(mode):
 
 
 def test_prepared_bucket_noop_and_bind_refusals(standin):
-    params = make_params(F32, ((6,), (9,)))
+    params = helpers.make_params(((6,), (9,)), F32)
     state = [[torch.zeros(p.shape) for p in params] for _ in range(3)]
     bucket = standin.prepare_bucket("fused_ema_adamw", AdamLists(None, params, *state), 2048)
     assert not bucket.bind([params[0].detach()])                    # count
@@ -337,7 +327,7 @@ def test_prepared_bucket_noop_and_bind_refusals(standin):
 
 def test_functional_call_stages_the_callers_tensors(standin):
     """A one-shot call copies in and out; the caller's tensors keep their own storage."""
-    params = make_params(F32, ((6,), (9,), (4, 4)))
+    params = helpers.make_params(((6,), (9,), (4, 4)), F32)
     state = [[torch.rand(p.shape) for p in params] for _ in range(3)]
     ptrs = [t.data_ptr() for ts in [params] + state for t in ts]
     ref_params = [p.detach().clone() for p in params]
@@ -477,7 +467,7 @@ def test_cann_unscales_and_checks_a_copy_of_zero_copy_grads():
 
 
 def test_cann_check_finite_skips_the_step():
-    params = make_params(F32, ((6,), (9,)))
+    params = helpers.make_params(((6,), (9,)), F32)
     state = [[torch.rand(p.shape) for p in params] for _ in range(3)]
     before = [[t.detach().clone() for t in ts] for ts in [params] + state]
     grads = grads_for(params, 0)

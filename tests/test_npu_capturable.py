@@ -15,11 +15,12 @@ import warnings
 import pytest
 import torch
 
+import helpers
 from fused_optim import FusedEmaAdamW
 from multi_tensor import forced_backend
 from multi_tensor.backends import npu
 from multi_tensor.testing import npu_standin
-from test_npu_backend import STANDIN, buckets, grads_for, make_params, train
+from test_npu_backend import SHAPES, STANDIN, buckets, grads_for, train
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 OPS = {"reference op": npu_standin.reference_device_op, "cann op": npu_standin.cann_device_op}
@@ -84,7 +85,7 @@ def _run(op, dtype, *, steps=5, cancel=3, max_grad_norm=None, scaler=True, slice
         monkeypatch.setattr(npu.bucket, "SKIP_SLICE", slice_)
     before = None
     with npu_standin.standin_backend(op, mode="cann") as backend:
-        params = make_params(dtype)
+        params = helpers.make_params(SHAPES, dtype)
         opt = FusedEmaAdamW(params, lr=1e-2, capturable=True, max_grad_norm=max_grad_norm,
                             master_weights=dtype != F32, weight_decay=0.1, ema_decay=0.9)
         for k in range(steps):
@@ -149,7 +150,7 @@ def test_sliced_save_and_restore_is_the_same(monkeypatch):
 
 
 def test_the_torch_mode_is_refused_when_planning():
-    params = make_params(F32)
+    params = helpers.make_params(SHAPES, F32)
     opt = FusedEmaAdamW(params, capturable=True)
     for p, g in zip(params, grads_for(params, 0)):
         p.grad = g
@@ -160,7 +161,7 @@ def test_the_torch_mode_is_refused_when_planning():
 
 
 def test_a_tensor_lr_is_refused():
-    params = make_params(F32)
+    params = helpers.make_params(SHAPES, F32)
     opt = FusedEmaAdamW(params, lr=torch.tensor(1e-3), capturable=True)
     for p, g in zip(params, grads_for(params, 0)):
         p.grad = g
@@ -173,7 +174,7 @@ def test_a_step_the_operator_cannot_serve_runs_the_exact_path_on_the_host():
     # planned for the operator, then the mode changes: the step reads the host (warned once) and
     # is the reference's, bit for bit; a cancelled one still changes nothing
     kw = dict(lr=1e-2, weight_decay=0.1, ema_decay=0.9)
-    params, ref = make_params(F32), make_params(F32)
+    params, ref = helpers.make_params(SHAPES, F32), helpers.make_params(SHAPES, F32)
     opt, ropt = FusedEmaAdamW(params, capturable=True, **kw), FusedEmaAdamW(ref, **kw)
     with npu_standin.standin_backend(mode="cann") as backend:
         for k in range(4):
@@ -201,7 +202,7 @@ def test_a_step_the_operator_cannot_serve_runs_the_exact_path_on_the_host():
 
 def test_state_dict_round_trip_keeps_the_device_count():
     with npu_standin.standin_backend(mode="cann") as backend:
-        params = make_params(F32)
+        params = helpers.make_params(SHAPES, F32)
         opt = FusedEmaAdamW(params, lr=1e-2, capturable=True)
         for k in range(3):
             for p, g in zip(params, grads_for(params, k)):
@@ -233,7 +234,7 @@ def test_a_cancelled_step_reads_nothing_and_launches_what_any_step_does(max_grad
     model = DeviceModel()
     with npu_standin.standin_backend(model.device_op(npu_standin.cann_device_op),
                                      mode="cann") as backend:
-        params = make_params(F32)
+        params = helpers.make_params(SHAPES, F32)
         opt = FusedEmaAdamW(params, lr=1e-2, capturable=True, max_grad_norm=max_grad_norm)
         for k in range(4):
             opt.zero_grad()

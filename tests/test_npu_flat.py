@@ -153,12 +153,6 @@ CASES = {
 }
 
 
-@pytest.fixture
-def standin():
-    with npu_standin.standin_backend(mode="torch") as backend:
-        yield backend
-
-
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_idle_params_give_the_reference_bits(standin, case, set_to_none):

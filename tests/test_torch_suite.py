@@ -22,7 +22,8 @@ The tests run on CPU only; those marked ``onlyCUDA`` or needing several GPUs ski
 reason. ``test_adamw_serialization`` and ``test_step_iteration`` construct only
 ``torch.optim.AdamW`` / ``LBFGS`` (no optimizer of ours), so they are skipped saying so.
 ``test_fused_large_tensor`` (2**32-element params) is skipped for its time and memory. 233 tests,
-186 run on CPU, in about 25 s on 2 cores, none over 2 s.
+186 run on CPU, in about 25 s on 2 cores, none over 2 s, on a machine with the pinned copy: the
+copy is not in the repository, so CI (a fresh clone) skips this module (tests/torch_suite/README.md).
 """
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ build_deps=(setuptools wheel ninja numpy)
 build_deps+=(scikit-learn tqdm matplotlib)
 if [[ "${1:-}" == "--test" ]]; then
     # expecttest: torch.testing._internal (torch's optimizer error inputs, tests/test_torch_conformance.py)
-    build_deps+=(pytest expecttest)
+    # hypothesis: the fuzz test draws its numerics cases with it (tests/test_fuzz.py)
+    build_deps+=(pytest expecttest hypothesis)
     # the linter .ci/run runs before the tests (configured in pyproject.toml); pinned, so a new
     # ruff release cannot fail CI with rules the code has not seen
     build_deps+=("ruff==${RUFF_VERSION:-0.17.6}")

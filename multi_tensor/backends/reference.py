@@ -131,7 +131,7 @@ def adam_family(chunk_size: int, noop_flag: torch.Tensor, lists, c: StepScalars,
 def scale(chunk_size, noop_flag, tensor_lists, scale_factor):
     """apex ``multi_tensor_scale``: ``dst = src * scale``; sets ``noop_flag`` on a non-finite src.
 
-    The product is formed in fp32 (fp64 for fp64 sources) and rounded once to dst's dtype.
+    The product is formed in fp32 (fp64 when src or dst is fp64) and rounded to dst's dtype.
     """
     del chunk_size
     srcs, dsts = tensor_lists
