@@ -30,8 +30,13 @@ STANDIN = "npu_standin"
 
 def bound(n: int) -> float:
     """The relative error bound of npu_ops' norm for n elements (its module docstring)."""
-    levels = max(1, math.ceil(math.log(max(n, 2), npu_ops.BLOCK)))
-    k = levels * (npu_ops.BLOCK - 1) + 1
+    # three levels of blocks of max(BLOCK, cbrt(n)) elements: the most additions on one path
+    block = max(npu_ops.BLOCK, math.ceil(round(n ** (1 / 3), 6)))
+    adds, k = 0, n
+    for _ in range(2):
+        adds += min(k, block) - 1
+        k = k // block + 1
+    k = adds + k
     return 0.5 * k * U / (1 - k * U) + 64 * 2.0 ** -23 + 2.0 ** -38
 
 
@@ -262,9 +267,20 @@ def test_norm_flat_picks_its_scale_on_the_device_in_fixed_launches():
         seen.add(tuple(sorted(summary.ops.items())))
     assert len(seen) == 1
     # the max, the scale (compare, count, lookup) and the flag (test, fill), the scaled
-    # squares (2), the blocked sum of 5000 (blocks, tail, their concatenation, the last sum),
-    # sqrt, unscale
-    assert sum(dict(seen.pop()).values()) == 14
+    # squares (2), the three-level sum (blocks, tail, their concatenation, twice; the last
+    # sum), sqrt, unscale
+    assert sum(dict(seen.pop()).values()) == 17
+
+
+@pytest.mark.parametrize("numel", [1, 1024, 5000, 1_000_003])
+def test_norm_flat_launches_do_not_depend_on_the_size(numel):
+    # a capturable clipped step's launches must not grow with its bucket
+    x = torch.ones(numel)
+    npu_ops.norm_flat(x)
+    with DeviceModel() as model:
+        got = npu_ops.norm_flat(x)
+    assert model.summary().launches == 15, model.summary().ops
+    assert abs(float(got) - math.sqrt(numel)) <= bound(numel) * math.sqrt(numel)
 
 
 def test_fp64_is_refused():

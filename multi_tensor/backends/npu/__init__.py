@@ -118,9 +118,41 @@ from . import ops as npu_ops
 from .bucket import FlatAdamBucket
 from .capturable import CapturableFlatAdamBucket
 from .loader import SUPPORTED_CHIP_PREFIXES, DeviceOp, load_device_op  # noqa: F401  (re-exported)
-from .modes import (CANN_DTYPES, CANN_OPS, FLAT_GRADS_ENV, IEEE_ENV, OP_MODES,  # noqa: F401
-                    device_sqrt_div, flat_grads_enabled, fold_scalars, get_op_mode, op_mode,
-                    set_device_sqrt_div, set_op_mode)
+from .modes import (CANN_DTYPES, CANN_OPS, DEFAULT_MODE, FLAT_GRADS_ENV, IEEE_ENV,  # noqa: F401
+                    OP_MODES, device_sqrt_div, fallback_reasons, flat_grads_enabled, fold_scalars,
+                    get_op_mode, op_mode, set_device_sqrt_div, set_op_mode)
+
+EXACT_PATH_FOR = (
+    "the adam, radam and radam_ema ops (the operator serves fused_ema_adamw only)",
+    "maximize",
+    "a bf16 EMA beside fp32 or fp16 state (the operator takes its five tensors in one dtype)",
+    "grads that do not convert exactly into the state dtype (fp32 grads of bf16 params "
+    "without masters)",
+    "a grad scale with fp16/bf16 state",
+    "chips without the operator (it ships for Atlas A2/A3 and Ascend 950 only)",
+    "an operator that fails to load or its probe call",
+)
+"""Where a ``cann`` mode's bucket runs the exact path instead (:meth:`FlatAdamBucket._choose`)."""
+
+
+def report(device_op: DeviceOp) -> list:
+    """Lines for ``python -m multi_tensor.env``: the mode, the operator, where the exact path
+    runs instead and why buckets of this process fell back."""
+    mode = get_op_mode()
+    lines = [f"NPU op mode {mode} (MULTI_TENSOR_NPU_OP: cann (default), cann_literal, exact; "
+             f"exact gives the reference's bits)"]
+    if mode != "exact":
+        if device_op.source is not None:
+            lines.append(f"CANN operator: {device_op.source}")
+        elif device_op._error is not None:
+            lines.append(f"CANN operator: did not load ({device_op._error}): exact path")
+        else:
+            lines.append("CANN operator: loaded with the first NPU bucket")
+        lines.append("exact path instead for:")
+        lines.extend(f"  {item}" for item in EXACT_PATH_FOR)
+        for reason in fallback_reasons():
+            lines.append(f"fell back in this process: {reason}")
+    return lines
 
 
 def _refuse_fp64(backend: str, op: str, lists) -> None:
@@ -155,9 +187,10 @@ def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
         ops={"scale": npu_ops.scale, "l2norm": npu_ops.l2norm}, fp64=False,
         prepare=prepare, prepare_capturable=prepare_capturable, adam_ops=schema.ADAM_OPS,
         description=description or ("flat buckets, one CANN aclnnApplyFusedEmaAdam launch per "
-                                    "bucket (MULTI_TENSOR_NPU_OP=cann) or the exact torch path "
-                                    "(default); torch_npu imported on first use"))
+                                    "bucket (default) or the exact path "
+                                    "(MULTI_TENSOR_NPU_OP=exact); torch_npu imported on first use"))
     backend.device_op = op_holder  # for diagnostics (tools/npu_check.py)
+    backend.report = lambda: report(op_holder)  # python -m multi_tensor.env
     return backend
 
 
