@@ -292,7 +292,7 @@ def test_fp64_is_refused():
 
 
 def test_the_standin_serves_scale_and_l2norm_and_has_no_fp64():
-    with npu_standin.standin_backend(mode="torch") as backend, forced_backend(STANDIN):
+    with npu_standin.standin_backend(mode="exact") as backend, forced_backend(STANDIN):
         assert backend.fp64 is False
         assert backend.ops["scale"] is npu_ops.scale and backend.ops["l2norm"] is npu_ops.l2norm
         x = [torch.ones(4), torch.ones(5)]
@@ -347,7 +347,7 @@ class Spy:
 @pytest.mark.parametrize("clip,scaler", [(0.5, False), (0.5, True), (None, True), (1e6, True)])
 def test_clipped_and_scaled_steps_on_the_standin(cls, clip, scaler):
     quick = Spy(npu_ops.quick_norm)
-    with npu_standin.standin_backend(mode="torch") as backend, \
+    with npu_standin.standin_backend(mode="exact") as backend, \
             pytest.MonkeyPatch.context() as patch:
         patch.setattr(npu_ops, "quick_norm", quick)
         spy = backend.ops["l2norm"] = Spy(backend.ops["l2norm"])
@@ -475,7 +475,7 @@ def _clip_run(grads_of, mode="cann", steps=3):
                 opt.step()
             norms.append(opt.last_grad_norm)
             sites.append([s for s in rec.read_sites if s not in OTHER_READS])
-            if mode == "torch":  # (the stand-in's cann operator is the fp64 reference)
+            if mode == "exact":  # (the stand-in's cann operator is the fp64 reference)
                 assert rec.fp64 == [], rec.fp64
             weights.append([p.detach().clone() for p in params])
     return norms, sites, weights
@@ -492,7 +492,7 @@ def _grads(mag, bad=None):
     return of
 
 
-@pytest.mark.parametrize("mode", ["cann", "torch"])
+@pytest.mark.parametrize("mode", ["cann", "exact"])
 @pytest.mark.parametrize("mag", [1e-2, 1e25, 1e-45])
 def test_clipped_steps_recompute_an_untrusted_quick_norm(mode, mag):
     # grads whose squares overflow or underflow in fp32: the quick norm is not trusted, the
