@@ -41,7 +41,8 @@ def _assert_unchanged(before, opt, params):
 def test_bitwise_the_reference_with_the_seed_operator(dtype, master):
     kw = dict(dtype=dtype, master_weights=master, steps=7, lr=1e-2, weight_decay=0.1,
               ema_decay=0.9, skip=lambda k, i: i == 2 and k == 3)
-    with npu_standin.standin_backend(mode="cann"):
+    with npu_standin.standin_backend():  # the default mode: the operator serves capturable steps
+        assert npu.get_op_mode() == "cann"
         pa, oa = train(STANDIN, capturable=True, **kw)
     pb, ob = train("reference", **kw)
     assert all(isinstance(b, npu.CapturableFlatAdamBucket) and b.last_path == "cann"
