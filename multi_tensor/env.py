@@ -57,6 +57,8 @@ def report() -> str:
     for b in backends.registered_backends():
         lines.append(f"  {b.name:<12} priority {b.priority:>3}  devices {','.join(b.device_types):<10} "
                      f"ops {','.join(sorted(b.ops))}  - {b.description}")
+        for line in (b.report() if callable(getattr(b, "report", None)) else ()):
+            lines.append(f"  {'':<12} {line}")
     lines.append("op resolution:")
     for dev in _device_types():
         for op in OPS:

@@ -54,9 +54,9 @@ def backend(request):
 @pytest.fixture
 def standin():
     """The NPU CPU stand-in (multi_tensor/testing/npu_standin.py) as the backend for "npu",
-    running the exact torch path ("torch" mode); yields the registered backend."""
+    running the exact path ("exact" mode, bitwise the reference); yields the registered backend."""
     from multi_tensor.testing import npu_standin
-    with npu_standin.standin_backend(mode="torch") as backend:
+    with npu_standin.standin_backend(mode="exact") as backend:
         yield backend
 
 

@@ -19,7 +19,7 @@ BACKENDS = [name for name in C.backend_names() if C.backend_skip_reason(name) is
 @pytest.mark.parametrize("backend", BACKENDS + ["npu_standin"])
 def test_expected_outcome(backend, run):
     if backend == "npu_standin":
-        with npu_standin.standin_backend():
+        with npu_standin.standin_backend(mode="exact"):
             got = A.outcome(run, backend)
     else:
         got = A.outcome(run, backend)

@@ -90,7 +90,7 @@ def test_bitwise_equal_to_reference_over_many_steps(standin, case):
     pa, oa = train(STANDIN, **kw)
     pb, ob = train("reference", **kw)
     assert_same(pa, oa, pb, ob)
-    assert all(b.stats["torch"] > 0 for b in buckets(oa))
+    assert all(b.stats["exact"] > 0 for b in buckets(oa))
     if kw.get("ema_dtype") == BF16:  # the flat EMA buffer itself is bf16
         assert all(oa.state[p]["ema"].dtype == BF16 for p in pa)
         assert all(b.ema_list.flat.dtype == BF16 for b in buckets(oa))
@@ -292,7 +292,7 @@ def test_noop_flag_and_check_finite_change_nothing(standin):
             assert torch.equal(t, b)
 
 
-@pytest.mark.parametrize("mode", ["torch", "cann"])
+@pytest.mark.parametrize("mode", ["exact", "cann"])
 def test_fp64_is_refused_at_planning_naming_the_tensor(mode):
     """No fp64 on the AI Core: an fp64 param fails when its bucket is prepared, before any
     state or param changes."""
@@ -441,7 +441,8 @@ def test_cann_mode_falls_back_to_the_exact_path(name, kw):
         pa, oa = train(STANDIN, **kw)
     pb, ob = train("reference", **kw)
     assert rec.calls == []
-    assert all(b.last_path == "torch" and b.last_reason for b in buckets(oa)), name
+    assert all(b.last_path == "exact" and b.last_reason in npu.fallback_reasons()
+               for b in buckets(oa)), name
     assert_same(pa, oa, pb, ob)
 
 
@@ -513,9 +514,20 @@ def test_folded_scalars_are_the_same_update(decoupled, bias_correction, step):
 def test_op_mode_is_checked():
     with pytest.raises(ValueError, match="cann_literal"):
         npu.set_op_mode("fast")
-    with npu.op_mode("cann"):
-        assert npu.get_op_mode() == "cann"
-    assert npu.get_op_mode() == "torch"
+    assert npu.get_op_mode() == npu.DEFAULT_MODE == "cann"  # MULTI_TENSOR_NPU_OP unset
+    with npu.op_mode("exact"):
+        assert npu.get_op_mode() == "exact"
+    with npu.op_mode("torch"):  # the exact path's other name
+        assert npu.get_op_mode() == "exact"
+    assert npu.get_op_mode() == "cann"
+
+
+def test_the_default_and_its_fallbacks_in_the_env_report():
+    from multi_tensor import env
+
+    text = env.report()
+    assert "NPU op mode cann" in text and "exact path instead for:" in text
+    assert "maximize" in text
 
 
 def test_the_stand_in_is_removed_after_use():

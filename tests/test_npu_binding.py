@@ -7,7 +7,7 @@
   dtype, one shape, contiguous, an int64 ``[1]`` step on the device, doubles, an int mode, a
   bool bias_correction), once per bucket per step;
 * MindSpeed's op is preferred when it imports; a chip without the operator falls back; a
-  binding that does not load warns once and the exact path runs;
+  binding that does not load is logged once (debug) and the exact path runs;
 * the builder's arguments (sources, include paths, libraries) without compiling anything;
 * a source check of the C++ binding (it cannot be compiled without torch_npu and CANN);
 * ``tools/npu_check.py --stand-in`` runs end to end.
@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import types
+import logging
 import warnings
 
 import pytest
@@ -214,22 +215,32 @@ class RaisingBinding(ContractBinding):
         raise RuntimeError("aclnnApplyFusedEmaAdam failed (561003): kernel not found")
 
 
-def test_a_binding_whose_first_call_raises_warns_once_and_the_exact_path_runs(fake_npu_env,
-                                                                              monkeypatch):
+def fallback_messages(caught, caplog):
+    """The NPU backend's fallback notes: none warned, each logged once at debug level."""
+    assert not [w for w in caught if "NPU backend" in str(w.message)]
+    return [r.getMessage() for r in caplog.records
+            if r.name == "multi_tensor.backends.npu" and r.levelno == logging.DEBUG]
+
+
+def test_a_binding_whose_first_call_raises_is_logged_once_and_the_exact_path_runs(
+        fake_npu_env, monkeypatch, caplog):
     binding = RaisingBinding()
     monkeypatch.setitem(sys.modules, npu_builder.FusedEmaAdamBuilder.NAME, binding)
-    monkeypatch.setattr(npu.modes, "_warned", set())
+    monkeypatch.setattr(npu.modes, "_fallbacks", {})
+    caplog.set_level(logging.DEBUG, logger="multi_tensor.backends.npu")
     params = [torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(3, 3))]
     ref, ref_opt = reference_steps(params, steps=3)
-    with npu_standin.standin_backend(None, mode="cann"):
+    with npu_standin.standin_backend(None, mode="cann") as backend:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt = run_steps(params, steps=3)
-    messages = [str(w.message) for w in caught if "NPU backend" in str(w.message)]
+        report = "\n".join(backend.report())
+    messages = fallback_messages(caught, caplog)
     assert len(messages) == 1 and "probe" in messages[0] and "561003" in messages[0], messages
+    assert "561003" in report and "fell back in this process" in report  # multi_tensor.env
     assert len(binding.calls) == 1  # the probe only: no step launched the operator
     (plan,) = opt._plans.values()
-    assert plan.buckets[0].prepared.last_path == "torch"
+    assert plan.buckets[0].prepared.last_path == "exact"
     for p, q in zip(params, ref):  # the exact path: the reference's bits
         assert torch.equal(p.detach(), q.detach())
         assert torch.equal(opt.state[p]["ema"], ref_opt.state[q]["ema"])
@@ -288,22 +299,24 @@ def test_a_mindspeed_import_failure_tries_the_builtin_binding(fake_npu_env, monk
         npu.load_device_op()
 
 
-def test_a_binding_that_does_not_load_warns_once_and_the_exact_path_runs(fake_npu_env, monkeypatch):
+def test_a_binding_that_does_not_load_is_logged_once_and_the_exact_path_runs(
+        fake_npu_env, monkeypatch, caplog):
     monkeypatch.delitem(sys.modules, npu_builder.FusedEmaAdamBuilder.NAME)
 
     def broken_load(self, verbose=False):
         raise RuntimeError("no CANN headers")
     monkeypatch.setattr(npu_builder.FusedEmaAdamBuilder, "load", broken_load)
-    monkeypatch.setattr(npu.modes, "_warned", set())
+    monkeypatch.setattr(npu.modes, "_fallbacks", {})
+    caplog.set_level(logging.DEBUG, logger="multi_tensor.backends.npu")
     params = [torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(3, 3))]
     with npu_standin.standin_backend(None, mode="cann"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt = run_steps(params, steps=3)
-    messages = [str(w.message) for w in caught if "NPU backend" in str(w.message)]
+    messages = fallback_messages(caught, caplog)
     assert len(messages) == 1 and "no CANN headers" in messages[0]
     (plan,) = opt._plans.values()
-    assert plan.buckets[0].prepared.last_path == "torch"
+    assert plan.buckets[0].prepared.last_path == "exact"
 
 
 def test_builder_arguments_without_building(fake_npu_env, tmp_path):

@@ -30,8 +30,13 @@ STANDIN = "npu_standin"
 
 def bound(n: int) -> float:
     """The relative error bound of npu_ops' norm for n elements (its module docstring)."""
-    levels = max(1, math.ceil(math.log(max(n, 2), npu_ops.BLOCK)))
-    k = levels * (npu_ops.BLOCK - 1) + 1
+    # three levels of blocks of max(BLOCK, cbrt(n)) elements: the most additions on one path
+    block = max(npu_ops.BLOCK, math.ceil(round(n ** (1 / 3), 6)))
+    adds, k = 0, n
+    for _ in range(2):
+        adds += min(k, block) - 1
+        k = k // block + 1
+    k = adds + k
     return 0.5 * k * U / (1 - k * U) + 64 * 2.0 ** -23 + 2.0 ** -38
 
 
@@ -262,9 +267,20 @@ def test_norm_flat_picks_its_scale_on_the_device_in_fixed_launches():
         seen.add(tuple(sorted(summary.ops.items())))
     assert len(seen) == 1
     # the max, the scale (compare, count, lookup) and the flag (test, fill), the scaled
-    # squares (2), the blocked sum of 5000 (blocks, tail, their concatenation, the last sum),
-    # sqrt, unscale
-    assert sum(dict(seen.pop()).values()) == 14
+    # squares (2), the three-level sum (blocks, tail, their concatenation, twice; the last
+    # sum), sqrt, unscale
+    assert sum(dict(seen.pop()).values()) == 17
+
+
+@pytest.mark.parametrize("numel", [1, 1024, 5000, 1_000_003])
+def test_norm_flat_launches_do_not_depend_on_the_size(numel):
+    # a capturable clipped step's launches must not grow with its bucket
+    x = torch.ones(numel)
+    npu_ops.norm_flat(x)
+    with DeviceModel() as model:
+        got = npu_ops.norm_flat(x)
+    assert model.summary().launches == 15, model.summary().ops
+    assert abs(float(got) - math.sqrt(numel)) <= bound(numel) * math.sqrt(numel)
 
 
 def test_fp64_is_refused():
@@ -276,7 +292,7 @@ def test_fp64_is_refused():
 
 
 def test_the_standin_serves_scale_and_l2norm_and_has_no_fp64():
-    with npu_standin.standin_backend(mode="torch") as backend, forced_backend(STANDIN):
+    with npu_standin.standin_backend(mode="exact") as backend, forced_backend(STANDIN):
         assert backend.fp64 is False
         assert backend.ops["scale"] is npu_ops.scale and backend.ops["l2norm"] is npu_ops.l2norm
         x = [torch.ones(4), torch.ones(5)]
@@ -331,7 +347,7 @@ class Spy:
 @pytest.mark.parametrize("clip,scaler", [(0.5, False), (0.5, True), (None, True), (1e6, True)])
 def test_clipped_and_scaled_steps_on_the_standin(cls, clip, scaler):
     quick = Spy(npu_ops.quick_norm)
-    with npu_standin.standin_backend(mode="torch") as backend, \
+    with npu_standin.standin_backend(mode="exact") as backend, \
             pytest.MonkeyPatch.context() as patch:
         patch.setattr(npu_ops, "quick_norm", quick)
         spy = backend.ops["l2norm"] = Spy(backend.ops["l2norm"])
@@ -459,7 +475,7 @@ def _clip_run(grads_of, mode="cann", steps=3):
                 opt.step()
             norms.append(opt.last_grad_norm)
             sites.append([s for s in rec.read_sites if s not in OTHER_READS])
-            if mode == "torch":  # (the stand-in's cann operator is the fp64 reference)
+            if mode == "exact":  # (the stand-in's cann operator is the fp64 reference)
                 assert rec.fp64 == [], rec.fp64
             weights.append([p.detach().clone() for p in params])
     return norms, sites, weights
@@ -476,7 +492,7 @@ def _grads(mag, bad=None):
     return of
 
 
-@pytest.mark.parametrize("mode", ["cann", "torch"])
+@pytest.mark.parametrize("mode", ["cann", "exact"])
 @pytest.mark.parametrize("mag", [1e-2, 1e25, 1e-45])
 def test_clipped_steps_recompute_an_untrusted_quick_norm(mode, mag):
     # grads whose squares overflow or underflow in fp32: the quick norm is not trusted, the

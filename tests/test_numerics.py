@@ -120,21 +120,55 @@ def literal_ema_fp32(c: float, d: float, steps: int) -> float:
     return float(s)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("decay,steps", [(0.9999, 20_000), (0.99999, 25_000)])
-def test_ema_of_a_constant_is_unbiased(backend, decay, steps):
-    consts = torch.tensor([1.0, -3.0, 0.123456789, 1e-3, 7.5, 100.0], dtype=torch.float32)
-    n = consts.numel()
-    p = consts.clone()
+CONSTS = torch.tensor([1.0, -3.0, 0.123456789, 1e-3, 7.5, 100.0], dtype=torch.float32)
+
+
+def ema_of_constants(backend: str, decay: float, steps: int) -> float:
+    """The largest relative error against float64 of the EMA of :data:`CONSTS` after ``steps``
+    steps with lr = 0 (the param stays the constant, only the EMA moves) on ``backend``."""
+    n = CONSTS.numel()
+    p = CONSTS.clone()
     lists = [[torch.zeros(n)], [p], [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(n)]]
     noop = torch.zeros(1, dtype=torch.int32)
     with forced_backend(backend):
-        for t in range(1, steps + 1):  # lr = 0: the param stays the constant, only the EMA moves
+        for t in range(1, steps + 1):
             multi_tensor_fused_ema_adamw(65536, noop, lists, 0.0, decay, 0.9, 0.999, 1e-8, t, 1,
                                          True, 0.0)
-    assert torch.equal(p, consts)
-    exact = consts.double() * (1.0 - decay ** steps)
-    rel = ((lists[4][0].double() - exact).abs() / exact.abs()).max().item()
+    assert torch.equal(p, CONSTS)
+    exact = CONSTS.double() * (1.0 - decay ** steps)
+    return ((lists[4][0].double() - exact).abs() / exact.abs()).max().item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("decay,steps", [(0.9999, 20_000), (0.99999, 25_000)])
+def test_ema_of_a_constant_is_unbiased(backend, decay, steps):
+    rel = ema_of_constants(backend, decay, steps)
     assert rel <= 1e-5, f"EMA of a constant is {rel:.2e} relative off float64 after {steps} steps"
     literal = abs(literal_ema_fp32(1.0, decay, steps) - (1.0 - decay ** steps)) / (1.0 - decay ** steps)
     assert literal > 1e-5, "the biased literal form would pass too: the test could not fail"
+
+
+@pytest.mark.parametrize("mode,decay,steps", [(None, 0.9999, 20_000), (None, 0.99999, 25_000),
+                                              ("cann_literal", 0.9999, 20_000)])
+def test_ema_of_a_constant_on_the_npu_default_path(mode, decay, steps):
+    """The NPU backend's default path on the stand-in with CANN's kernel emulated
+    (``npu_standin.cann_device_op``): the operator with ``ema_decay=1`` and one lerp stays within
+    the bound; the operator's own EMA (``cann_literal``) does not, which is why it is not the
+    default."""
+    from multi_tensor.backends import npu
+    from multi_tensor.testing import npu_standin
+
+    calls = []
+
+    def op(*args, **kwargs):
+        calls.append(None)
+        return npu_standin.cann_device_op(*args, **kwargs)
+
+    with npu_standin.standin_backend(op, name="npu_standin_ema", mode=mode):
+        assert npu.get_op_mode() == (mode or npu.DEFAULT_MODE) == (mode or "cann")
+        rel = ema_of_constants("npu_standin_ema", decay, steps)
+    assert len(calls) == steps  # the operator served every step
+    if mode is None:
+        assert rel <= 1e-5, f"the NPU default's EMA is {rel:.2e} relative off float64"
+    else:
+        assert rel > 1e-5, f"the literal EMA is {rel:.2e} off: within the bound after all"

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
                 rep.check(check.__name__, False, f"raised {type(exc).__name__}: {exc}",
                           traceback=traceback.format_exc())
     if args.stand_in and not args.skip_model_table:
-        # the simulated 910B (multi_tensor/testing/npu_model.py): the six scenarios of the
+        # the simulated 910B (multi_tensor/testing/npu_model.py): the scenarios of the
         # NPU backend's steady-state step, the table tests/test_npu_sim.py asserts
         from multi_tensor.testing import npu_model
 

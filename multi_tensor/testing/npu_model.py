@@ -38,9 +38,17 @@ op of such a run and records what a 910B would do with it:
   in-place output is counted once written, plus once read since it is an input, except for ops
   that only write their destination (``copy_``, ``fill_``, ``zero_``, ``_foreach_copy_``, ...,
   and ``out=`` arguments). Python scalars are not tensors and cost nothing.
-* **Host syncs.** ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``),
+* **Host syncs**, each with its call site (the first frame outside torch and this module):
+  ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``),
   ``aten.is_nonzero``, ``aten.equal``, ``Tensor.tolist()`` and ``Tensor.numpy()`` each read a
-  device value on the host. A copy into a host tensor is one too. Which tensors are host ones:
+  device value on the host. A copy to the host is one too: into a host tensor (``copy_``),
+  ``Tensor.cpu()``, ``Tensor.to("cpu")`` (a device named by a string), ``Tensor.to(t)`` with
+  ``t`` a host tensor; on the stand-in these dispatch nothing, so the model sees the call (and
+  returns a copy that is a host tensor). A ``torch.device`` object is taken for the device
+  itself: the backend names its device by the object its tensors report, which on the stand-in
+  is the CPU. An op whose output size depends on the data (``nonzero``, boolean-mask indexing,
+  ``masked_select``, ``unique``: :data:`DATA_SIZED_OPS`) is a launch and a sync (the host waits
+  for the size before it can allocate). Which tensors are host ones:
   on the stand-in every tensor is a CPU tensor, so the model tells them apart by origin
   (``host_born``, the default): a tensor made inside the model by a ``torch`` factory called
   without ``device=`` (``torch.tensor(x)``: on an NPU machine it lives on the CPU, the default
@@ -58,7 +66,7 @@ Sections: records are attributed to the current section (``"step"`` by default;
 :meth:`DeviceModel.track_optimizer` attributes an optimizer's own ``step()`` to ``"optimizer"``
 and everything else, e.g. ``torch.amp.GradScaler``'s own ops, to the surrounding section).
 
-:func:`scenario_table` runs the six scenarios of issue 16 (three steps of ``FusedEmaAdamW`` on
+:func:`scenario_table` runs the scenarios of :data:`SCENARIOS` (three steps of ``FusedEmaAdamW`` on
 the stand-in, the third one measured) and :func:`format_table` prints them. Nothing here is
 imported by the package itself.
 """
@@ -69,6 +77,8 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
+import sys
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -104,6 +114,30 @@ SYNC_OPS = frozenset(("_local_scalar_dense", "is_nonzero", "equal", "item"))
 
 SYNC_METHODS = frozenset(("tolist", "numpy"))
 """Tensor methods that read device memory on the host without an aten op a mode sees."""
+
+DATA_SIZED_OPS = frozenset((
+    "nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+    "unique_dim_consecutive", "argwhere", "nonzero_numpy",
+))
+"""aten ops whose output size the host learns from the device before allocating it (boolean
+indexing, ``aten.index`` with a bool index, is one too)."""
+
+_HERE = __file__.rsplit(".", 1)[0]
+
+
+def call_site() -> str:
+    """``path:line (function)`` of the first frame outside torch, contextlib, functools and this
+    module: where a host read was written."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        skip = (path.rsplit(".", 1)[0] == _HERE or f"{os.sep}torch{os.sep}" in path
+                or path.endswith(("contextlib.py", "functools.py")))
+        if not skip:
+            short = os.sep.join(path.split(os.sep)[-2:])
+            return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
 
 WRITE_ONLY = frozenset((
     "copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_",
@@ -164,6 +198,7 @@ class Launch:
 class Sync:
     op: str
     section: str
+    site: str = ""
 
 
 @dataclasses.dataclass
@@ -177,6 +212,7 @@ class Summary:
     fp64_names: List[str]
     ops: Dict[str, int]
     sync_ops: Dict[str, int]
+    sync_sites: List[str] = dataclasses.field(default_factory=list)
 
     def bytes_per(self, elements: int) -> float:
         return self.bytes / elements if elements else 0.0
@@ -200,6 +236,10 @@ class _HostSide(TorchFunctionMode):
             if not model._is_host(args[0]):
                 model._sync(f"Tensor.{name}")
             return func(*args, **kwargs)
+        if (name in ("cpu", "to") and args and isinstance(args[0], torch.Tensor)
+                and model._active and not model._suspended and not model._is_host(args[0])
+                and (name == "cpu" or model._host_target(args, kwargs))):
+            return model._to_host(name, func, args, kwargs)
         if (model.host_born and getattr(torch, name, None) is func and name in HOST_FACTORIES
                 and kwargs.get("device") is None
                 and not (name == "as_tensor" and args and isinstance(args[0], torch.Tensor))):
@@ -325,12 +365,32 @@ class DeviceModel(TorchDispatchMode):
             syncs=len(syncs),
             fp64_ops=sum(r.count for r in fp64),
             fp64_names=sorted({r.op for r in fp64}),
-            ops=ops, sync_ops=sync_ops)
+            ops=ops, sync_ops=sync_ops, sync_sites=[f"{r.op} at {r.site}" for r in syncs])
 
     # --- recording ----------------------------------------------------------------------------
     def _sync(self, op: str) -> None:
         if not self._suspended:
-            self.syncs.append(Sync(op, self.section))
+            self.syncs.append(Sync(op, self.section, call_site()))
+
+    def _to_host(self, name: str, func, args, kwargs):
+        """A copy of a device tensor to the host: a sync, and the copy a host tensor."""
+        self._sync(f"Tensor.{name} (to host)")
+        out = self._unrecorded(func, *args, **kwargs)
+        if out is args[0]:  # on the stand-in the "copy" is the tensor itself
+            out = self._unrecorded(torch.Tensor.clone, out)
+        self._mark_host(out)
+        return out
+
+    def _host_target(self, args, kwargs) -> bool:
+        """Whether ``Tensor.to(...)`` names the host: a device given as a string naming the
+        CPU, or a host tensor (a ``torch.device`` object is taken for the device itself)."""
+        target = kwargs.get("device")
+        for value in args[1:2]:
+            if isinstance(value, (str, torch.Tensor)):
+                target = value
+        if isinstance(value := target, torch.Tensor):
+            return self._is_host(value)
+        return isinstance(value, str) and value.split(":")[0] == "cpu"
 
     def _native(self, name: str, func, args, kwargs):
         """One of :data:`NATIVE_COMPOSITES`: one launch on device tensors, its parts not
@@ -380,8 +440,11 @@ class DeviceModel(TorchDispatchMode):
     def _record(self, func, args, kwargs, out) -> None:
         name = func._schema.name.split("::")[-1]
         if name in SYNC_OPS:
-            self.syncs.append(Sync(name, self.section))
+            self._sync(name)
             return
+        if name in DATA_SIZED_OPS or (name == "index" and any(
+                t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1:2]))):
+            self._sync(f"{name} (data-dependent size)")
         if name in FREE_OPS:
             return
         schema_args = func._schema.arguments
@@ -411,7 +474,7 @@ class DeviceModel(TorchDispatchMode):
             written = list(_tensors([out] if isinstance(out, torch.Tensor) else
                                     (out if isinstance(out, (list, tuple)) else [])))
         if any(self._is_host(t) for t in written):
-            self.syncs.append(Sync(f"{name} (to host)", self.section))  # a device -> host copy
+            self._sync(f"{name} (to host)")  # a device -> host copy
             return
         # host tensors among the inputs are host scalars handed to the kernel
         inputs = [t for t in inputs if not self._is_host(t)]
@@ -428,31 +491,37 @@ class DeviceModel(TorchDispatchMode):
         self._add_launch(name, count, inputs, written)
 
 
-# --- the six scenarios of issue 16 ---------------------------------------------------------------
+# --- the scenarios ------------------------------------------------------------------------------
 
 SCENARIOS = {
-    "fp32, torch": dict(dtype=torch.float32, mode="torch"),
-    "fp32, cann": dict(dtype=torch.float32, mode="cann"),
-    "bf16 + fp32 masters, cann": dict(dtype=torch.bfloat16, mode="cann"),
-    "bf16 + masters, torch": dict(dtype=torch.bfloat16, mode="torch"),
-    "fp32 + max_grad_norm, cann": dict(dtype=torch.float32, mode="cann", max_grad_norm=1.0),
-    "fp16 + masters + GradScaler, cann": dict(dtype=torch.float16, mode="cann", scaler=True),
-    # beyond issue 16's six: the exact path where the device's own sqrt and division are known
-    # to be correctly rounded (multi_tensor.backends.npu.IEEE_ENV)
-    "fp32, torch, device sqrt/div": dict(dtype=torch.float32, mode="torch",
-                                         device_sqrt_div=True),
+    # the package's default mode (``mode`` None: the process's op mode, unset MULTI_TENSOR_NPU_OP:
+    # the operator with one lerp for the unbiased EMA)
+    "fp32": dict(dtype=torch.float32, mode=None),
+    "bf16 + fp32 masters": dict(dtype=torch.bfloat16, mode=None),
+    "fp32 + max_grad_norm": dict(dtype=torch.float32, mode=None, max_grad_norm=1.0),
+    "fp16 + masters + GradScaler": dict(dtype=torch.float16, mode=None, scaler=True),
     # capturable=True: the step counter on the device and no host read at all; a step that may
     # be cancelled saves and restores the state on the device (the operator has no skip input)
-    "fp32, cann, capturable": dict(dtype=torch.float32, mode="cann", capturable=True),
-    "fp32 + max_grad_norm, cann, capturable": dict(dtype=torch.float32, mode="cann",
-                                                   max_grad_norm=1.0, capturable=True),
-    "fp16 + masters + GradScaler, cann, capturable": dict(dtype=torch.float16, mode="cann",
-                                                          scaler=True, capturable=True),
+    "fp32, capturable": dict(dtype=torch.float32, mode=None, capturable=True),
+    "fp32 + max_grad_norm, capturable": dict(dtype=torch.float32, mode=None, max_grad_norm=1.0,
+                                             capturable=True),
+    "fp16 + masters + GradScaler, capturable": dict(dtype=torch.float16, mode=None, scaler=True,
+                                                    capturable=True),
+    # the operator's own (biased) EMA: one launch
+    "fp32, cann_literal": dict(dtype=torch.float32, mode="cann_literal"),
+    # the exact path (bitwise the reference), with sqrt and division correctly rounded from fp32
+    # ops, and where the device's own are known to be correctly rounded
+    # (multi_tensor.backends.npu.IEEE_ENV)
+    "fp32, exact": dict(dtype=torch.float32, mode="exact"),
+    "bf16 + masters, exact": dict(dtype=torch.bfloat16, mode="exact"),
+    "fp32, exact, device sqrt/div": dict(dtype=torch.float32, mode="exact",
+                                         device_sqrt_div=True),
 }
 """Name -> options: the param dtype (fp16/bf16 params keep fp32 masters), the NPU op mode
-(:data:`multi_tensor.backends.npu.OP_MODES`), clipping, ``torch.amp.GradScaler``, the device's
-own sqrt and division on the ``torch`` path (:func:`multi_tensor.backends.npu.set_device_sqrt_div`;
-off unless named), ``capturable`` (the optimizer's option)."""
+(:data:`multi_tensor.backends.npu.OP_MODES`; None: the default), clipping,
+``torch.amp.GradScaler``, the device's own sqrt and division on the exact path
+(:func:`multi_tensor.backends.npu.set_device_sqrt_div`; off unless named), ``capturable`` (the
+optimizer's option)."""
 
 
 def param_shapes(count: int, seed: int = 0, low: int = 1000, high: int = 5000) -> List[tuple]:

@@ -45,47 +45,53 @@ one launch):
   :mod:`multi_tensor.backends.npu.builder`). Grad unscale and the inf/NaN check run on the flat
   grad buffer, one launch each (both in one: ``torch._amp_foreach_non_finite_check_and_unscale_``).
 
-Numerics (the package's contract is bitwise equality with the reference backend):
+Numerics. The package's contract is bitwise equality with the reference backend; on an NPU that
+is opt-in (``exact``), and the default is CANN's operator, within a derived tolerance of the
+reference (docs/npu.md gives the numbers measured on the stand-in):
 
-* ``MULTI_TENSOR_NPU_OP=torch`` (**the default**): the flat buffers run the reference backend's
-  own code (:func:`multi_tensor.backends.reference.adam_family` on one-element lists: one flat
-  tensor per list *is* the bucket), i.e. ``multi_tensor/rules.py``'s operation order with one
-  torch op per line, whatever the bucket's number of params. On the CPU stand-in this is
-  bitwise equal to the unflattened reference (tested). No op runs in fp64 (the AI Core has
-  none): sqrt and division are made correctly rounded from fp32 operations
+* ``MULTI_TENSOR_NPU_OP=cann`` (**the default**). CANN's op updates var, m and v in one
+  launch, then one ``lerp_`` takes the EMA in the package's unbiased form
+  ``s + (1 - d) * (var' - s)`` (the op is called with ``ema_decay=1``, which leaves ``s``
+  untouched), so the EMA keeps the package's bound (1e-5 of float64 after 20,000 steps at
+  decay 0.9999, ``tests/test_numerics.py``). The op's step arguments are *folded*: it is called
+  with ``bias_correction=False`` and a constant step tensor ``[1]`` (int64, kept on the device:
+  no per-step host-to-device copy), and with ``lr' = lr * sqrt(bc2) / bc1``,
+  ``eps' = eps * sqrt(bc2)``, ``weight_decay' = lr * weight_decay / lr'`` (AdamW; Adam's L2
+  decay passes unchanged), which is the same update in exact arithmetic, from the engine's own
+  per-step scalars (:func:`multi_tensor.rules.step_scalars`, EMA schedules included), so no
+  engine hook for the step count is needed. Results differ from the reference by the kernel's
+  fp32 complements (``1 - fp32(beta)``, formed on the device) and its roundings; tolerance:
+  ``tools/npu_check.py`` (``cann_bounds``: the error bound of each sum, allowances measured on
+  the stand-in x2).
+* ``MULTI_TENSOR_NPU_OP=cann_literal``: one launch, the op's own EMA ``d*s + (1-d)*var'``. The
+  kernel forms ``1 - d`` in fp32 from the fp32 attribute (exact for d in [0.5, 1]), so the two
+  coefficients sum to 1 and the EMA of a constant stays at it, but its decay is ``fp32(d)``:
+  the EMA of a constant from 0 misses the package's bound (9.8e-5 after 20,000 steps at 0.9999
+  on the stand-in), which is why it is not the default.
+* ``MULTI_TENSOR_NPU_OP=exact`` (``torch`` is accepted too): the flat buffers run the reference
+  backend's own code (:func:`multi_tensor.backends.reference.adam_family` on one-element
+  lists: one flat tensor per list *is* the bucket), i.e. ``multi_tensor/rules.py``'s operation
+  order with one torch op per line, whatever the bucket's number of params. On the CPU stand-in
+  this is bitwise equal to the unflattened reference (tested). No op runs in fp64 (the AI Core
+  has none): sqrt and division are made correctly rounded from fp32 operations
   (:mod:`multi_tensor.backends.npu.fp32_exact`, the device's own sqrt/div only a first guess;
-  about 264 launches per bucket), so on an NPU it is bitwise if the device's fp32 multiply,
+  about 255 launches per bucket), so on an NPU it is bitwise if the device's fp32 multiply,
   add and subtract are IEEE, which ``tools/npu_check.py`` checks. Where ``tools/npu_check.py``
   has shown the device's own fp32 sqrt and division correctly rounded (its check 7, sqrt over
   every positive fp32 with ``--sqrt-exhaustive``), ``MULTI_TENSOR_NPU_IEEE_SQRT_DIV=1``
   (:func:`set_device_sqrt_div`) uses them as they are: one launch each, the same bits, about
   a tenth of the launches and bytes.
-* ``MULTI_TENSOR_NPU_OP=cann``: the fast path, opt in. CANN's op updates var, m and v in one
-  launch, then one ``lerp_`` takes the EMA in the package's unbiased form
-  ``s + (1 - d) * (var' - s)`` (the op is called with ``ema_decay=1``, which leaves ``s``
-  untouched). The op's step arguments are *folded*: it is called with ``bias_correction=False``
-  and a constant step tensor ``[1]`` (int64, kept on the device: no per-step host-to-device
-  copy), and with ``lr' = lr * sqrt(bc2) / bc1``, ``eps' = eps * sqrt(bc2)``,
-  ``weight_decay' = lr * weight_decay / lr'`` (AdamW; Adam's L2 decay passes unchanged), which
-  is the same update in exact arithmetic, from the engine's own per-step scalars
-  (:func:`multi_tensor.rules.step_scalars`, EMA schedules included), so no engine hook for the
-  step count is needed. Results differ from the reference by the kernel's fp32 complements
-  (``1 - fp32(beta)``, formed on the device) and its roundings; tolerance: ``tools/npu_check.py``
-  (``cann_bounds``: the error bound of each sum, allowances measured on the stand-in x2).
-* ``MULTI_TENSOR_NPU_OP=cann_literal``: one launch, the op's own EMA ``d*s + (1-d)*var'``. The
-  kernel forms ``1 - d`` in fp32 from the fp32 attribute (exact for d in [0.5, 1]), so the two
-  coefficients sum to 1 and the EMA of a constant stays at it; its step differs from the
-  unbiased lerp by the complement gap; ``tools/npu_check.py`` measures the drift.
 
-Where the op cannot serve, the same flat buffers run the torch path (the default's code) for
-that step: ``maximize``; the ``adam``, ``radam`` and ``radam_ema`` ops (no EMA in the op, or
+Where the op cannot serve, the same flat buffers run the exact path for that step (the reason
+logged once at debug level and listed by ``python -m multi_tensor.env``: :data:`EXACT_PATH_FOR`):
+``maximize``; the ``adam``, ``radam`` and ``radam_ema`` ops (no EMA in the op, or
 RAdam's un-rectified steps); fp64; a bf16 EMA beside fp32 or fp16 state (``ema_dtype``: the op
-takes its five tensors in one dtype; the flat EMA buffer is bf16 and the torch path rounds it
+takes its five tensors in one dtype; the flat EMA buffer is bf16 and the exact path rounds it
 once per step, as the reference does); grads whose dtype does not convert exactly into the
 update's dtype (fp32 grads of bf16 params without masters); a grad scale with fp16/bf16 state
 (unscaled grads would be rounded to fp16/bf16); chips without the operator (CANN ships it for
 Atlas A2/A3 and Ascend 950 only: :data:`SUPPORTED_CHIP_PREFIXES`); an operator that fails to
-load (warned once). The optimizer's steps pass ``noop_flag=None`` (its flag is never set:
+load. The optimizer's steps pass ``noop_flag=None`` (its flag is never set:
 ``noop_flag_optional``), so a plain step reads nothing on the host; a one-shot apex call keeps
 apex's flag, read on the host once per call (on the CANN path with ``check_finite`` together with
 the finite check, in one read). A step that GradScaler (``found_inf``) or clipping (a non-finite
@@ -99,7 +105,7 @@ step counter is an int64 device tensor and the operator computes the bias correc
 cancelled saves var, m, v and s into scratch before the operator and selects them back where
 the flag is set (``torch.where``): 80 bytes per element more and 16 bytes per element of scratch
 (at most :data:`SKIP_SLICE` elements at a time). It needs the operator (a ``cann`` mode, the
-``fused_ema_adamw`` op) and a float lr, and is refused at planning otherwise.
+default; the ``fused_ema_adamw`` op) and a float lr, and is refused at planning otherwise.
 
 Everything that touches CANN (the binding, its build, the op's rounding, the chip check, the
 step times) is verified only on Ascend hardware with ``tools/npu_check.py``; the rest runs on
@@ -118,9 +124,41 @@ from . import ops as npu_ops
 from .bucket import FlatAdamBucket
 from .capturable import CapturableFlatAdamBucket
 from .loader import SUPPORTED_CHIP_PREFIXES, DeviceOp, load_device_op  # noqa: F401  (re-exported)
-from .modes import (CANN_DTYPES, CANN_OPS, FLAT_GRADS_ENV, IEEE_ENV, OP_MODES,  # noqa: F401
-                    device_sqrt_div, flat_grads_enabled, fold_scalars, get_op_mode, op_mode,
-                    set_device_sqrt_div, set_op_mode)
+from .modes import (CANN_DTYPES, CANN_OPS, DEFAULT_MODE, FLAT_GRADS_ENV, IEEE_ENV,  # noqa: F401
+                    OP_MODES, device_sqrt_div, fallback_reasons, flat_grads_enabled, fold_scalars,
+                    get_op_mode, op_mode, set_device_sqrt_div, set_op_mode)
+
+EXACT_PATH_FOR = (
+    "the adam, radam and radam_ema ops (the operator serves fused_ema_adamw only)",
+    "maximize",
+    "a bf16 EMA beside fp32 or fp16 state (the operator takes its five tensors in one dtype)",
+    "grads that do not convert exactly into the state dtype (fp32 grads of bf16 params "
+    "without masters)",
+    "a grad scale with fp16/bf16 state",
+    "chips without the operator (it ships for Atlas A2/A3 and Ascend 950 only)",
+    "an operator that fails to load or its probe call",
+)
+"""Where a ``cann`` mode's bucket runs the exact path instead (:meth:`FlatAdamBucket._choose`)."""
+
+
+def report(device_op: DeviceOp) -> list:
+    """Lines for ``python -m multi_tensor.env``: the mode, the operator, where the exact path
+    runs instead and why buckets of this process fell back."""
+    mode = get_op_mode()
+    lines = [f"NPU op mode {mode} (MULTI_TENSOR_NPU_OP: cann (default), cann_literal, exact; "
+             f"exact gives the reference's bits)"]
+    if mode != "exact":
+        if device_op.source is not None:
+            lines.append(f"CANN operator: {device_op.source}")
+        elif device_op._error is not None:
+            lines.append(f"CANN operator: did not load ({device_op._error}): exact path")
+        else:
+            lines.append("CANN operator: loaded with the first NPU bucket")
+        lines.append("exact path instead for:")
+        lines.extend(f"  {item}" for item in EXACT_PATH_FOR)
+        for reason in fallback_reasons():
+            lines.append(f"fell back in this process: {reason}")
+    return lines
 
 
 def _refuse_fp64(backend: str, op: str, lists) -> None:
@@ -155,9 +193,10 @@ def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
         ops={"scale": npu_ops.scale, "l2norm": npu_ops.l2norm}, fp64=False,
         prepare=prepare, prepare_capturable=prepare_capturable, adam_ops=schema.ADAM_OPS,
         description=description or ("flat buckets, one CANN aclnnApplyFusedEmaAdam launch per "
-                                    "bucket (MULTI_TENSOR_NPU_OP=cann) or the exact torch path "
-                                    "(default); torch_npu imported on first use"))
+                                    "bucket (default) or the exact path "
+                                    "(MULTI_TENSOR_NPU_OP=exact); torch_npu imported on first use"))
     backend.device_op = op_holder  # for diagnostics (tools/npu_check.py)
+    backend.report = lambda: report(op_holder)  # python -m multi_tensor.env
     return backend
 
 

@@ -12,8 +12,8 @@ from .. import reference, registry
 from . import flat
 from . import ops as npu_ops
 from .loader import DeviceOp, _ensure_torch_npu
-from .modes import (CANN_DTYPES, CANN_OPS, _sqrt_div, _warn_once, flat_grads_enabled, fold_scalars,
-                    get_op_mode)
+from .modes import (CANN_DTYPES, CANN_OPS, _sqrt_div, flat_grads_enabled, fold_scalars,
+                    get_op_mode, note_fallback)
 
 MAX_LAUNCH_NUMEL = 2 ** 30
 """Elements per operator launch; larger buckets take several launches over slices (a guard: CANN
@@ -24,7 +24,7 @@ SKIP_SLICE = 2 ** 26
 per element of it, 1 GiB for fp32 state)."""
 
 TORCH_PATH_SLICE = 2 ** 26
-"""Elements per slice on the torch path (bounds its temporaries; elementwise, so exact)."""
+"""Elements per slice on the exact path (bounds its temporaries; elementwise, so exact)."""
 
 
 class FlatAdamBucket:
@@ -34,8 +34,8 @@ class FlatAdamBucket:
     the state tensors, the params and their grads at views of flat buffers (the optimizer's
     plans); False copies the caller's tensors in and out per run (a one-shot functional call).
 
-    Diagnostics: ``last_path`` ("torch"/"cann"/"cann_literal"/None when nothing ran),
-    ``last_reason`` (why the torch path ran in a cann mode), ``stats`` (counters),
+    Diagnostics: ``last_path`` ("exact"/"cann"/"cann_literal"/None when nothing ran),
+    ``last_reason`` (why the exact path ran in a cann mode), ``stats`` (counters),
     ``grad_keeper`` (the :class:`~multi_tensor.backends.npu.flat.FlatGrads` of the params' grads, or
     None).
     """
@@ -84,7 +84,7 @@ class FlatAdamBucket:
         # (read and written in place / in one copy)
         self.param_region = (flat.alias(params, self.layout, self.param_dtype, self.device)
                              if params else None)
-        self.stats = {"runs": 0, "skipped": 0, "torch": 0, "cann": 0, "launches": 0,
+        self.stats = {"runs": 0, "skipped": 0, "exact": 0, "cann": 0, "launches": 0,
                       "grad_gathers": 0, "grad_alias": 0, "param_copies": 0, "prepare_copies": 0}
         if (self.param_region is None and repoint and params and flat._distinct(params)
                 and all(flat.can_repoint_param(p) for p in params)):
@@ -146,7 +146,7 @@ class FlatAdamBucket:
         path, reason = self._choose(scalars, grad_scale, self._grad_dtype(grads[0].dtype))
         # an apex call's noop_flag (the optimizer passes None): read on the host, once; the
         # CANN path's finite check reads it together with its own result instead
-        if (noop_flag is not None and not (check_finite and path != "torch")
+        if (noop_flag is not None and not (check_finite and path != "exact")
                 and reference._noop_is_set(noop_flag)):
             self.stats["skipped"] += 1
             return
@@ -155,8 +155,8 @@ class FlatAdamBucket:
             self.weights.stage_in()
         for fl in self.state:
             fl.stage_in()
-        if path == "torch":
-            ran = self._run_torch(g_flat, scalars, grad_scale, check_finite, noop_flag)
+        if path == "exact":
+            ran = self._run_exact(g_flat, scalars, grad_scale, check_finite, noop_flag)
         else:
             ran = self._run_cann(g_flat, owned, scalars, grad_scale, check_finite, noop_flag,
                                  literal=path == "cann_literal")
@@ -165,7 +165,7 @@ class FlatAdamBucket:
             return
         self._write_back()
         self.stats["runs"] += 1
-        self.stats["torch" if path == "torch" else "cann"] += 1
+        self.stats["exact" if path == "exact" else "cann"] += 1
         self.last_path, self.last_reason = path, reason
 
     def _write_back(self) -> None:
@@ -194,17 +194,19 @@ class FlatAdamBucket:
             return None
         return None if buf is None or buf.dtype == torch.float64 else buf
 
-    def grad_norm(self, noop_flag: torch.Tensor) -> Optional[torch.Tensor]:
+    def grad_norm(self, noop_flag: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The bound grads' fp32 norm on the device, range-safe (``npu_ops.norm_flat`` over
-        their flat buffer: no concatenation), setting ``noop_flag`` on a non-finite grad; None
-        where the grads are not one buffer (the caller then runs the ``l2norm`` op)."""
+        their flat buffer: no concatenation); None where the grads are not one buffer (the
+        caller then runs the ``l2norm`` op). A non-finite grad gives a non-finite norm, which
+        is what the clipped step tests; ``noop_flag`` is left alone (setting it would cost two
+        launches that nobody reads)."""
         grads = self._grads
         if grads is None:
             raise RuntimeError("FlatAdamBucket.grad_norm() without a successful bind()")
         if not grads or self.layout.total == 0:
             return None
         buf = self._grads_buffer(grads)
-        return None if buf is None else npu_ops.norm_flat(buf, noop_flag)
+        return None if buf is None else npu_ops.norm_flat(buf)
 
     def quick_grad_norm(self) -> Optional[torch.Tensor]:
         """The bound grads' fp32 norm in one read of their flat buffer
@@ -286,8 +288,8 @@ class FlatAdamBucket:
 
     def _choose(self, c: StepScalars, grad_scale, grad_dtype) -> Tuple[str, Optional[str]]:
         mode = get_op_mode()
-        if mode == "torch":
-            return "torch", None
+        if mode == "exact":
+            return "exact", None
         reason = None
         if self.op not in CANN_OPS:
             reason = f"op {self.op} (the operator serves fused_ema_adamw only)"
@@ -306,13 +308,12 @@ class FlatAdamBucket:
             fn, why = self.device_op.get(self.device)
             if fn is None:
                 reason = why
-                _warn_once("load:" + str(why), f"multi_tensor NPU backend: {why}; NPU buckets run "
-                           f"the exact torch path instead")
         if reason is not None:
-            return "torch", reason
+            note_fallback(reason)
+            return "exact", reason
         return mode, None
 
-    def _run_torch(self, g_flat, c, grad_scale, check_finite, noop_flag) -> bool:
+    def _run_exact(self, g_flat, c, grad_scale, check_finite, noop_flag) -> bool:
         """The reference's own code on the flat buffers: bitwise what the reference computes."""
         if check_finite and not bool(torch.isfinite(g_flat).all()):
             noop_flag.fill_(1)

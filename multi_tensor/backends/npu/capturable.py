@@ -8,7 +8,7 @@ import torch
 
 from ... import rules
 from .bucket import FlatAdamBucket
-from .modes import CANN_OPS, _warn_once, get_op_mode
+from .modes import CANN_OPS, get_op_mode, note_fallback
 
 
 class CapturableFlatAdamBucket(FlatAdamBucket):
@@ -29,9 +29,10 @@ class CapturableFlatAdamBucket(FlatAdamBucket):
     the plain bucket.
     A step that nothing can cancel (no GradScaler, no clipping) costs what the plain one does.
 
-    Where the operator cannot serve a step (the ``torch`` op mode, maximize, an op it does not
-    implement, a failed load: :meth:`FlatAdamBucket._choose`), the step runs the exact torch
-    path and reads the flag and the step on the host (warned once): correct, not sync-free.
+    Where the operator cannot serve a step (the ``exact`` op mode, maximize, an op it does not
+    implement, a failed load: :meth:`FlatAdamBucket._choose`), the step runs the exact path and
+    reads the flag and the step on the host (the reason logged once at debug level): correct,
+    not sync-free.
     """
 
     device_step_dtype = torch.int64
@@ -44,10 +45,10 @@ class CapturableFlatAdamBucket(FlatAdamBucket):
     def capturable_refusal(self) -> Optional[str]:
         """Why this bucket's steps cannot be sync-free (checked when the group is planned), or
         None."""
-        if get_op_mode() == "torch":
-            return ("the NPU backend's exact torch path computes the step's scalars on the host "
+        if get_op_mode() == "exact":
+            return ("the NPU backend's exact path computes the step's scalars on the host "
                     "(no fp64 on the AI Core to compute them on the device): choose the CANN "
-                    "operator (MULTI_TENSOR_NPU_OP=cann or npu.set_op_mode('cann'))")
+                    "operator (MULTI_TENSOR_NPU_OP=cann, the default, or npu.set_op_mode('cann'))")
         if self.op not in CANN_OPS:
             return f"op {self.op} (the CANN operator serves fused_ema_adamw only)"
         return None
@@ -70,7 +71,7 @@ class CapturableFlatAdamBucket(FlatAdamBucket):
             return
         grad_dtype = self._grad_dtype(grads[0].dtype)
         path, reason = self._choose(c, grad_scale, grad_dtype)
-        if path == "torch":
+        if path == "exact":
             self._grads = grads
             self._host_step(step, hyper, noop_flag, grad_scale, lr, reason)
             return
@@ -104,11 +105,9 @@ class CapturableFlatAdamBucket(FlatAdamBucket):
         step.add_(1 if skip is None else skip.logical_not().to(step.dtype))
 
     def _host_step(self, step, hyper, noop_flag, grad_scale, lr, reason) -> None:
-        """The torch path for a step the operator cannot serve: the flag, the step count and a
-        tensor lr read on the host (warned once)."""
-        _warn_once("capturable:" + str(reason),
-                   f"multi_tensor NPU backend: a capturable step reads the host ({reason}); "
-                   f"it runs the exact torch path instead")
+        """The exact path for a step the operator cannot serve: the flag, the step count and a
+        tensor lr read on the host (the reason logged once at debug level)."""
+        note_fallback(f"a capturable step reads the host: {reason or 'the exact mode'}")
         if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
             self._grads = None
             self.stats["skipped"] += 1

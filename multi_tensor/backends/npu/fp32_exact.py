@@ -176,7 +176,8 @@ def sqrt_flat(x: torch.Tensor, approx_sqrt: Approx = torch.sqrt,
     r = torch.where(go_up, up, torch.where(go_dn, dn, r1))
     r = torch.where(small, r * 2.0 ** -50, torch.where(big, r * 2.0 ** 32, r))
     regular = (x > 0.0) & (x < float("inf"))
-    return torch.where(regular, r, torch.where(x < 0.0, float("nan"), x))
+    # masked_fill, not where: a Python scalar in where is a tensor made on the device (a launch)
+    return torch.where(regular, r, x.masked_fill(x < 0.0, float("nan")))
 
 
 def sqrt(tensors: List[torch.Tensor], approx_sqrt: Approx = torch.sqrt,
@@ -214,12 +215,13 @@ def div_flat(a: torch.Tensor, b: torch.Tensor, approx_div: Approx = torch.div) -
     yh, yl = _split(ys)
     q1 = _div_newton(xs, ys, yh, yl, approx_div(xs, ys), approx_div)
     # 2. the grid: ulp(q1), or the subnormal grid scaled by 2^(-64 D) where it is coarser
-    zero = torch.zeros_like(q1)
-    grid = torch.where(d == -1.0, 2.0 ** -85,
-                       torch.where(d == -2.0, 2.0 ** -21, torch.where(d == -3.0, 2.0 ** 43, zero)))
-    inv_grid = torch.where(d == -1.0, 2.0 ** 85,
-                           torch.where(d == -2.0, 2.0 ** 21,
-                                       torch.where(d == -3.0, 2.0 ** -43, zero)))
+    # (filled in place: a Python scalar in where is a tensor made on the device, a launch)
+    grid, inv_grid = torch.zeros_like(q1), torch.zeros_like(q1)
+    for k, g, inv in ((-3.0, 2.0 ** 43, 2.0 ** -43), (-2.0, 2.0 ** -21, 2.0 ** 21),
+                      (-1.0, 2.0 ** -85, 2.0 ** 85)):
+        at = d == k
+        grid.masked_fill_(at, g)
+        inv_grid.masked_fill_(at, inv)
     big_c = grid * _TWO23
     c = torch.where(q1 < big_c, (q1 + big_c) - big_c, q1)
     up, dn = _neighbours(c)

@@ -6,8 +6,8 @@ package's, ``csrc/npu/fused_ema_adam.cpp``, compiled on first use by
 per device, "the callable" or "``None`` and why": the chip must be one CANN ships the operator
 for, the operator must load, and a one-element call of a loaded operator (the probe) must run
 (a callable given by the caller, the CPU stand-ins', is used as given). Every failure on that
-way is an answer, never an exception, so the bucket takes the exact torch path for that step
-(the NPU backend warns once per reason) instead of raising out of ``step()``.
+way is an answer, never an exception, so the bucket takes the exact path for that step (the NPU
+backend logs each reason once at debug level) instead of raising out of ``step()``.
 
 Chips (:data:`SUPPORTED_CHIPS`). ops-nn's ``optim/apply_fused_ema_adam/op_host/
 apply_fused_ema_adam_def.cpp`` registers the AI Core kernel for the SoC families ``ascend910b``

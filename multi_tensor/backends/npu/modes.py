@@ -1,12 +1,20 @@
 """The NPU backend's settings: which path a bucket runs (``MULTI_TENSOR_NPU_OP``), whether the
 exact path trusts the device's sqrt and division, whether grads are kept flat, and the operator's
-folded per-step arguments. Process-wide, read at each step."""
+folded per-step arguments. Process-wide, read at each step.
+
+The modes: ``cann`` (the default: CANN's fused EMA-Adam operator with ``ema_decay=1``, then one
+``lerp_`` for the unbiased EMA), ``cann_literal`` (the operator's own biased EMA, one launch
+less; its fp32 EMA of a constant drifts past the package's 1e-5 bound, docs/npu.md), ``exact``
+(the reference's operation order, bitwise; ``torch`` is its old name, still accepted). Where the
+operator cannot serve a bucket, the bucket runs the exact path and says why
+(``FlatAdamBucket.last_reason``, :func:`fallback_reasons`, ``python -m multi_tensor.env``), logged
+once per reason at debug level."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
-import warnings
 from typing import Dict, Iterator, List
 
 import torch
@@ -15,7 +23,10 @@ from ...rules import StepScalars
 from . import fp32_exact
 from . import ops as npu_ops
 
-OP_MODES = ("torch", "cann", "cann_literal")
+OP_MODES = ("cann", "cann_literal", "exact")
+DEFAULT_MODE = "cann"
+MODE_ALIASES = {"torch": "exact"}
+"""Other names of a mode (``torch`` for ``exact``: scripts that set it keep working)."""
 CANN_OPS = ("fused_ema_adamw",)
 CANN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLAT_GRADS_ENV = "MULTI_TENSOR_NPU_FLAT_GRADS"
@@ -23,13 +34,14 @@ FLAT_GRADS_ENV = "MULTI_TENSOR_NPU_FLAT_GRADS"
 torch's); ``1`` or unset (the default): grads become views of one flat buffer per bucket."""
 
 IEEE_ENV = "MULTI_TENSOR_NPU_IEEE_SQRT_DIV"
-"""``1``: the ``torch`` path takes the device's own fp32 sqrt and division (set it only where
+"""``1``: the exact path takes the device's own fp32 sqrt and division (set it only where
 ``tools/npu_check.py`` reports both correctly rounded on this CANN version); ``0`` or unset (the
 default): both built correctly rounded from fp32 ops (:mod:`fp32_exact`)."""
 
 _mode_lock = threading.Lock()
-_mode: List[str] = [os.environ.get("MULTI_TENSOR_NPU_OP", "") or "torch"]
-_warned: set = set()
+_mode: List[str] = [os.environ.get("MULTI_TENSOR_NPU_OP", "") or DEFAULT_MODE]
+_fallbacks: Dict[str, None] = {}  # the reasons buckets fell back to the exact path, in order
+log = logging.getLogger("multi_tensor.backends.npu")
 
 
 def _env_flag(name: str) -> bool:
@@ -43,12 +55,12 @@ _device_sqrt_div: List[bool] = [_env_flag(IEEE_ENV)]
 
 
 def device_sqrt_div() -> bool:
-    """Whether the ``torch`` path uses the device's own fp32 sqrt and division (:data:`IEEE_ENV`)."""
+    """Whether the exact path uses the device's own fp32 sqrt and division (:data:`IEEE_ENV`)."""
     return _device_sqrt_div[0]
 
 
 def set_device_sqrt_div(trusted: bool) -> None:
-    """Use the device's own fp32 sqrt and division on the ``torch`` path (``trusted``), or the
+    """Use the device's own fp32 sqrt and division on the exact path (``trusted``), or the
     correctly rounded ones built from fp32 ops (the default). Only where ``tools/npu_check.py``
     has shown the device's correctly rounded: otherwise the path is no longer bitwise."""
     with _mode_lock:
@@ -56,13 +68,14 @@ def set_device_sqrt_div(trusted: bool) -> None:
 
 
 def _sqrt_div() -> tuple:
-    """The ``torch`` path's sqrt and division (lists in, lists out)."""
+    """The exact path's sqrt and division (lists in, lists out)."""
     if _device_sqrt_div[0]:
         return npu_ops.device_sqrt, npu_ops.device_div
     return fp32_exact.sqrt, fp32_exact.div
 
 
 def _check_mode(mode: str) -> str:
+    mode = MODE_ALIASES.get(mode, mode)
     if mode not in OP_MODES:
         raise ValueError(f"multi_tensor NPU backend: unknown op mode {mode!r} "
                          f"(MULTI_TENSOR_NPU_OP or set_op_mode); choose one of {OP_MODES}")
@@ -70,7 +83,7 @@ def _check_mode(mode: str) -> str:
 
 
 def get_op_mode() -> str:
-    """The current path: ``"torch"`` (default, exact), ``"cann"`` or ``"cann_literal"``."""
+    """The current path: ``"cann"`` (the default), ``"cann_literal"`` or ``"exact"``."""
     return _check_mode(_mode[0])
 
 
@@ -102,10 +115,19 @@ def flat_grads_enabled() -> bool:
     return value == "1"
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+def note_fallback(reason: str) -> None:
+    """A bucket runs the exact path because the operator cannot serve it (``reason``): kept for
+    :func:`fallback_reasons` and logged once per reason at debug level (a fallback is the
+    documented behaviour, not a fault)."""
+    if reason not in _fallbacks:
+        _fallbacks[reason] = None
+        log.debug("multi_tensor NPU backend: the exact path runs instead of CANN's operator: %s",
+                  reason)
+
+
+def fallback_reasons() -> List[str]:
+    """Why buckets of this process ran the exact path in a ``cann`` mode, each reason once."""
+    return list(_fallbacks)
 
 
 # --- the per-step scalars, folded into the operator's arguments --------------------------------

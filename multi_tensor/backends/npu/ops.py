@@ -21,22 +21,25 @@ order), deterministic and independent of how ``x`` is split into tensors:
    (``2^-80`` if ``amax > 2^40``, ``2^120`` if ``amax < 2^-90``, ``2^60`` if ``amax < 2^-30``,
    else 1) that keeps every square of ``y = S x`` and their sum inside the fp32 range for up to
    2^31 elements, and the sum at least ``2^-80`` (exact: a power of two).
-2. The squares ``y*y`` (one rounding each) summed in fixed blocks of :data:`BLOCK` elements (a
-   ``(n // BLOCK, BLOCK)`` view summed along its rows, plus the tail as one more block), the block
-   sums summed again the same way, level after level, until one value is left: a fixed tree
-   whose shape depends only on ``n``.
+2. The squares ``y*y`` (one rounding each) summed by a fixed tree of three levels whose shape
+   depends only on ``n`` (:func:`_tree_sum`): blocks of ``B = max(BLOCK, ceil(n^(1/3)))``
+   elements (a ``(n // B, B)`` view summed along its rows, the tail as one more block, maybe of
+   no element), the block sums summed again the same way, then what is left (at most ``B + 1``
+   values) in one sum. Always the same seven launches, so a capturable step's launches do not
+   depend on the bucket's size.
 3. ``norm = sqrt(sum) / S``.
 
 Error bound (against the exact norm of the fp32 inputs). The terms are nonnegative, so a sum of
 ``k`` of them computed in any order is within ``gamma_(k-1)`` (``gamma_j = j u / (1 - j u)``,
-``u = 2^-24``) of its exact value, relative. With ``L = ceil(log_BLOCK n)`` levels, the computed
-sum of squares is within ``gamma_(L (BLOCK - 1) + 1)`` (the squares' own rounding included), and
-the norm within half that, plus the sqrt's error (``APPROX_ULPS`` ulp at most: the device's
-sqrt), plus ``2^-38`` for squares of terms far below ``amax`` lost to underflow (the sum is at
-least ``2^-80``, each lost square under ``2^-149``), plus one rounding of the result when it is
-subnormal. For ``n <= 2^20`` (``L = 2``) that is ``6.9e-5`` relative; the reference's fp64 sum is
-exact to ``1e-16``. The bound holds whatever order the device sums a block in (CPU torch sums
-pairwise, so measured errors are orders of magnitude smaller).
+``u = 2^-24``) of its exact value, relative. With ``d`` the most additions on one path of the
+tree (:func:`norm_bound`: at most ``3 (B - 1) + 1``), the computed sum of squares is within
+``gamma_(d + 1)`` (the squares' own rounding included), and the norm within half that, plus the
+sqrt's error (``APPROX_ULPS`` ulp at most: the device's sqrt), plus ``2^-38`` for squares of
+terms far below ``amax`` lost to underflow (the sum is at least ``2^-80``, each lost square under
+``2^-149``), plus one rounding of the result when it is subnormal. For ``n <= 2^20``
+(``d <= 2047``) that is ``6.9e-5`` relative; the reference's fp64 sum is exact to ``1e-16``. The
+bound holds whatever order the device sums a block in (CPU torch sums pairwise, so measured
+errors are orders of magnitude smaller).
 
 ``per_tensor=True`` adds each tensor's norm by the same blocked sum over that tensor (a loop over
 the tensors: launches grow with their number, unlike the total).
@@ -159,6 +162,44 @@ def _blocked_sum(v: torch.Tensor) -> torch.Tensor:
     return v.sum()
 
 
+def _tree_block(n: int) -> int:
+    """The block of :func:`_tree_sum` over ``n`` values: ``BLOCK``, or the cube root of ``n``
+    rounded up where that is larger (three levels cover ``n``)."""
+    b = max(BLOCK, round(n ** (1.0 / 3.0)))
+    while b ** 3 < n:
+        b += 1
+    return b
+
+
+def _tree_levels(n: int) -> List[int]:
+    """How many values each of :func:`_tree_sum`'s three sums adds up, the block's size bounding
+    the first two."""
+    b = _tree_block(n)
+    sizes = []
+    for _ in range(2):
+        sizes.append(min(n, b))
+        n = n // b + 1
+    return sizes + [n]
+
+
+def _tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """The sum of a 1-D fp32 tensor by a fixed three-level tree (0-dim result; the module
+    docstring): seven launches whatever its size."""
+    b = _tree_block(v.numel())
+    for _ in range(2):
+        n = v.numel()
+        main = n - n % b
+        sums = v.narrow(0, 0, main).view(main // b, b).sum(dim=1)
+        v = torch.cat([sums, v.narrow(0, main, n - main).sum().reshape(1)])
+    return v.sum()
+
+
+def norm_bound(n: int) -> float:
+    """The relative error bound of :func:`norm_flat` over ``n`` elements (module docstring)."""
+    adds = sum(max(k - 1, 0) for k in _tree_levels(n))
+    return 0.5 * _gamma(adds + 1) + _APPROX_ULPS * 2.0 ** -23 + 2.0 ** -38
+
+
 _RANGES: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -185,8 +226,9 @@ def _ranges(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
 def norm_flat(x: torch.Tensor, noop_flag: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 L2 norm of the 1-D tensor ``x`` (0-dim), setting ``noop_flag`` if it holds a
     non-finite value (see the module docstring). The scale is chosen on the device in a fixed
-    five launches (:func:`_ranges`: a comparison with four bounds, their count, a lookup, and
-    for the flag a test of the count and a fill), none of them a host read."""
+    three launches (:func:`_ranges`: a comparison with four bounds, their count, a lookup), the
+    flag in two more (a test of the count and a fill; none without a flag: a non-finite value
+    gives a non-finite norm), none of them a host read; the sum in seven (:func:`_tree_sum`)."""
     x = x if x.dtype == torch.float32 else x.to(torch.float32)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
@@ -197,7 +239,7 @@ def norm_flat(x: torch.Tensor, noop_flag: Optional[torch.Tensor] = None) -> torc
         noop_flag.masked_fill_(count == 0, 1)
     s, s_inv = scales.index_select(1, count.reshape(1)).unbind(0)
     y = x * s
-    return torch.sqrt(_blocked_sum(y * y)) * s_inv.reshape(())
+    return torch.sqrt(_tree_sum(y * y)) * s_inv.reshape(())
 
 
 def _gamma(k: int) -> float:
