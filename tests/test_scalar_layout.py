@@ -259,7 +259,7 @@ def test_native_prepared_bucket_reads_each_field_at_its_offset():
 
 
 def test_npu_standin_reads_each_field_at_its_offset():
-    with npu_standin.standin_backend(mode="torch") as backend:
+    with npu_standin.standin_backend(mode="exact") as backend:
         def run(op, lists, c):
             bucket = backend.prepare_bucket(op, named_lists(op, lists).state(), 2048)
             assert bucket.bind(lists[0])
