@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from fused_optim import FusedEmaAdamW
 from multi_tensor.testing import npu_model
 from multi_tensor.backends.npu import ops as npu_ops
 from multi_tensor.testing.npu_model import DeviceModel
@@ -342,7 +343,7 @@ def test_the_table_covers_the_models_scenarios():
 
 @functools.lru_cache(maxsize=None)
 def measure(name: str, params: int) -> npu_model.Measure:
-    return npu_model.run_scenario(name, params)
+    return npu_model.run_scenario(name, params, optimizer=FusedEmaAdamW)
 
 
 def _describe(m: npu_model.Measure) -> str:
