@@ -588,6 +588,3 @@ def format_table(rows: Sequence[Row]) -> str:
             f"| {_arrow(f'{m.bytes_per_element:.1f}' for m in ms)} | {scaler} |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":  # python -m multi_tensor.testing.npu_model
-    print(format_table(scenario_table()))
