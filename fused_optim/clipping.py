@@ -131,9 +131,10 @@ class ClippingMixin:
         ``quick_grad_norm``) and GradScaler's scale read on the host together, one device sync
         per step; the global norm and the clip factor are then host arithmetic, no device op.
 
-        A quick norm that is not trusted (inf: a square overflowed or a grad is inf; below
-        the bucket's ``quick_norm_min``: squares may have underflowed) is recomputed by the range-safe
-        ``l2norm`` and read again: a second sync, on such steps only. A NaN skips at once.
+        A quick norm that is not trusted (inf: a square overflowed or a grad is inf; below the
+        bucket's ``quick_norm_min``: squares may have underflowed) is recomputed by the
+        range-safe ``l2norm`` and read again: a second sync, on such steps only. A NaN skips at
+        once.
 
         The clip factor is the fp32 one of :meth:`_unscale_factor` bit for bit: every operation
         there (``norm / scale``, ``norm + 1e-6``, ``max_grad_norm / that``, ``scale / clip``) is

@@ -4,8 +4,8 @@ Four entry points run the Adam-family update: the optimizers' eager ``step()``
 (:mod:`fused_optim.base`), the compiled custom op (:mod:`fused_optim.custom_ops`), the functional
 API (:mod:`fused_optim.functional`) and the apex ops (:mod:`multi_tensor.ops`). They all
 
-1. split rows into buckets by :func:`bucket_key` (:func:`split_buckets`; one device, one dtype per list, one step
-   count, masters or not, one shard layout);
+1. split rows into buckets by :func:`bucket_key` (:func:`split_buckets`: one device, one dtype
+   per list, one step count, masters or not, one shard layout);
 2. name each bucket's lists (:class:`multi_tensor.schema.AdamLists`) and check them once
    against the op table (:func:`multi_tensor.schema.check_adam_lists`), before anything is
    modified;

@@ -112,8 +112,10 @@ def test_a_new_cache_is_private_whatever_the_umask(tmp_path, monkeypatch):
     root = tmp_path / "fresh"
     monkeypatch.setenv("FUSED_OPTIM_CACHE", str(root))
     monkeypatch.setattr(build, "_private", [])
-    monkeypatch.setattr(build, "compile_command", lambda isa, output, src=None: [
-        sys.executable, "-c", f"import os; os.remove({output!r}); open({output!r}, 'wb').write(b'x')"])
+    # (as a linker does: the output made anew, with the umask's mode)
+    remake = "import os, sys; os.remove(sys.argv[1]); open(sys.argv[1], 'wb').write(b'x')"
+    monkeypatch.setattr(build, "compile_command",
+                        lambda isa, output, src=None: [sys.executable, "-c", remake, output])
     old = os.umask(0o002)
     try:
         path = build.build(ISA, quiet=True)
