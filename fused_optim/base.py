@@ -204,10 +204,9 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
             self._eager_step()
         return loss
 
-    @torch.no_grad()
     def _eager_step(self) -> None:
-        """The step's eager body (a compiled step runs it too, behind a graph break, for what it
-        cannot trace: :mod:`fused_optim.compiled`)."""
+        """The step's eager body, under ``torch.no_grad()`` (a compiled step runs it too, behind
+        a graph break, for what it cannot trace: :mod:`fused_optim.compiled`)."""
         self._before_step()
         if not self.state and self._is_state_init_call():
             self.init_state()

@@ -58,7 +58,8 @@ UNSUPPORTED = {
 
 
 def _eager_step(opt) -> None:
-    opt._eager_step()  # FusedOptimizerBase's eager body
+    with torch.no_grad():
+        opt._eager_step()  # FusedOptimizerBase's eager body
 
 
 _EAGER = {key: torch._dynamo.disable(
