@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from multi_tensor import multi_tensor_applier, rules, schema, validation
+from multi_tensor import multi_tensor_applier, plan, rules, schema, validation
 
 from .checkpoint import CheckpointMixin
 from .clipping import ClippingMixin
@@ -200,11 +200,17 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         if torch.compiler.is_compiling():  # traced by torch.compile: fused_optim/compiled.py
             from . import compiled  # imported here: it needs torch._dynamo (about 1 s to import)
             compiled.step(self)
-            return loss
+        else:
+            self._eager_step()
+        return loss
+
+    def _eager_step(self) -> None:
+        """The step's eager body, under ``torch.no_grad()`` (a compiled step runs it too, behind
+        a graph break, for what it cannot trace: :mod:`fused_optim.compiled`)."""
         self._before_step()
         if not self.state and self._is_state_init_call():
             self.init_state()
-            return loss
+            return
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and not isinstance(found_inf, torch.Tensor):
             # GradScaler sums its per-device found_inf tensors: without any grad, the int 0
@@ -214,7 +220,7 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         if (found_inf is not None and found_inf.device.type == "cpu"
                 and not self._device_steps_planned()):
             if bool(found_inf.item() != 0):
-                return loss
+                return
             found_inf = None  # read: nothing cancels this step
         # plans built for earlier groups are undone when a later one is refused
         self._plan_journal: Optional[list] = []
@@ -227,7 +233,7 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
             if skip:
                 for _, bucket in work:
                     bucket.grads = None
-                return loss
+                return
             hypers = self._hypers(work)
         except BaseException:
             for group, touched, saved in reversed(self._plan_journal):
@@ -237,13 +243,12 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         finally:
             self._plan_journal = None
         for (group, bucket), hyper in zip(work, hypers):
-            bucket.run(hyper, self._noop_flag(bucket.device), skip_flag, grad_scale,
+            bucket.run(hyper, plan.noop_flag(bucket.device), skip_flag, grad_scale,
                        _device_lr(group))
-        return loss
 
     def _device_steps_planned(self) -> bool:
         """Whether the current plans have buckets that keep their steps on the device."""
-        return any(b.device_steps for plan in self._plans.values() for b in plan.buckets)
+        return any(b.device_steps for p in self._plans.values() for b in p.buckets)
 
     def _init_group(self, *lists):
         """What dynamo runs eagerly when it compiles ``step()`` (see fused_optim/compiled.py)."""
@@ -315,22 +320,12 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         current plans' buckets and those zeroed before that still keep some (a param left out of
         a re-built plan keeps its view there). Remembered for ``step()``'s grad collection."""
         found = {id(k): k for k in self.__dict__.get("_grad_keepers") or ()}
-        for plan in self._plans.values():
-            for bucket in plan.buckets:
+        for group_plan in self._plans.values():
+            for bucket in group_plan.buckets:
                 for prepared in (bucket.prepared, bucket.ema_free):
-                    keeper = getattr(prepared, "grad_keeper", None)
+                    keeper = prepared.grad_keeper
                     if keeper is not None:
                         found[id(keeper)] = keeper
         keepers = [k for k in found.values() if k.owns()]
         self.__dict__["_grad_keepers"] = keepers
         return keepers
-
-    def _noop_flag(self, device: torch.device) -> torch.Tensor:
-        """A zero flag per device (the optimizer never asks a kernel to set it)."""
-        flags = self.__dict__.get("_noop_flags")
-        if flags is None:
-            flags = self.__dict__["_noop_flags"] = {}
-        flag = flags.get(device)
-        if flag is None:
-            flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return flag

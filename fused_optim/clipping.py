@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from multi_tensor import validation
-from multi_tensor.backends import reference, registry
+from multi_tensor import rules, validation
+from multi_tensor.backends import registry
 
 
 def _sum_over_shards(square: torch.Tensor, layout) -> torch.Tensor:
@@ -112,8 +112,7 @@ class ClippingMixin:
         calls), or for a sharded bucket the squared norm summed over its ranks."""
         total = None
         if quick and bucket.layout is None:  # sharded: every rank must make the same calls
-            own = getattr(bucket.active, "quick_grad_norm", None)
-            total = None if own is None else own()
+            total = bucket.active.quick_grad_norm()
         quick = total is not None
         if total is None:
             # a flag of its own: l2norm sets it on a non-finite grad, and the step's noop flag
@@ -132,9 +131,10 @@ class ClippingMixin:
         ``quick_grad_norm``) and GradScaler's scale read on the host together, one device sync
         per step; the global norm and the clip factor are then host arithmetic, no device op.
 
-        A quick norm that is not trusted (inf: a square overflowed or a grad is inf; below
-        ``npu_ops.QUICK_MIN``: squares may have underflowed) is recomputed by the range-safe
-        ``l2norm`` and read again: a second sync, on such steps only. A NaN skips at once.
+        A quick norm that is not trusted (inf: a square overflowed or a grad is inf; below the
+        bucket's ``quick_norm_min``: squares may have underflowed) is recomputed by the
+        range-safe ``l2norm`` and read again: a second sync, on such steps only. A NaN skips at
+        once.
 
         The clip factor is the fp32 one of :meth:`_unscale_factor` bit for bit: every operation
         there (``norm / scale``, ``norm + 1e-6``, ``max_grad_norm / that``, ``scale / clip``) is
@@ -153,7 +153,8 @@ class ClippingMixin:
         terms = []
         for (bucket, _, quick), value in zip(entries, read):
             sharded = bucket.layout is not None
-            if quick and not math.isnan(value) and not _trusted(value, sharded):
+            if quick and not math.isnan(value) and not _trusted(value, sharded,
+                                                                bucket.active.quick_norm_min):
                 value = float(self._bucket_square_or_norm(bucket, False)[0].item())
             terms.append(value if sharded else value * value)  # both exact in double
         norm = _f32(math.sqrt(math.fsum(terms))) if all(map(math.isfinite, terms)) else (
@@ -170,29 +171,21 @@ class ClippingMixin:
         multi-tensor l2norm launch per bucket, from the bucket's own norm tables where its
         backend keeps them (the Triton buckets: ``grad_norm``), else by the l2norm op.
 
-        In fp32 when a bucket's backend has no fp64 (``Backend.fp64``, the NPU): the norm of
-        the buckets' norms by the NPU's blocked fp32 norm (scaled, so no square overflows), a
-        sharded bucket's squared norm summed over its ranks in fp32."""
-        totals, squares, fp64 = [], [], True
+        The buckets' norms are combined by their backend's ``combine_norms``: in fp64, or, when
+        a bucket's backend has no fp64 (``Backend.fp64``, the NPU), by that backend in fp32."""
+        totals, combiner = [], None
         for _, bucket in work:
             # a flag of its own: l2norm sets it on a non-finite grad, and the step's noop flag
             # must stay clear
             flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
-            own = getattr(bucket.active, "grad_norm", None)
-            total = None if own is None else own(flag)
+            total = bucket.active.grad_norm(flag)
             backend = self._norm_backend(bucket)
             if total is None:
                 total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
-            fp64 = fp64 and backend.fp64
+            if combiner is None or (combiner.fp64 and not backend.fp64):
+                combiner = backend
             totals.append((total, bucket.layout))
-        if not fp64:
-            return _fp32_norm(totals, work[0][1].device)
-        for total, layout in totals:
-            square = total.to(dtype=torch.float64).square()
-            if layout is not None:
-                square = _sum_over_shards(square, layout)
-            squares.append(square.to(device=work[0][1].device))
-        return torch.stack(squares).sum().sqrt()
+        return combiner.combine_norms(totals, work[0][1].device, _sum_over_shards)
 
 
 def host_clip_factor(norm: float, scale: Optional[float], max_grad_norm: float) -> tuple:
@@ -210,7 +203,7 @@ def host_clip_factor(norm: float, scale: Optional[float], max_grad_norm: float) 
 
 def _f32(value: float) -> float:
     """``value`` rounded once to fp32 (nearest even; beyond the fp32 range: inf)."""
-    return reference.rounded(value, torch.float32)
+    return rules.rounded(value, torch.float32)
 
 
 def _f32_div(a: float, b: float) -> float:
@@ -221,25 +214,7 @@ def _f32_div(a: float, b: float) -> float:
     return _f32(a / b)
 
 
-def _trusted(value: float, squared: bool) -> bool:
-    """Whether a quick norm (or its square summed over shards) is used as it is."""
-    from multi_tensor.backends.npu import ops as npu_ops
-    low = npu_ops.QUICK_MIN ** 2 if squared else npu_ops.QUICK_MIN
-    return math.isfinite(value) and value >= low
-
-
-def _fp32_norm(totals, device) -> torch.Tensor:
-    """The global norm from the buckets' fp32 norms, without fp64 (see ``_grad_norm``): one
-    unsharded bucket's norm as it is (as the host path, whose ``sqrt(fsum([n * n]))`` is ``n``)."""
-    from multi_tensor.backends.npu import fp32_exact
-    from multi_tensor.backends.npu import ops as npu_ops
-
-    if len(totals) == 1 and totals[0][1] is None:
-        return totals[0][0].to(dtype=torch.float32, device=device).reshape(())
-    norms = []
-    for total, layout in totals:
-        total = total.to(dtype=torch.float32)
-        if layout is not None:
-            total = fp32_exact.sqrt([_sum_over_shards(total.square(), layout)])[0]
-        norms.append(total.to(device=device).reshape(1))
-    return npu_ops.norm_flat(torch.cat(norms))
+def _trusted(value: float, squared: bool, low: float) -> bool:
+    """Whether a quick norm (or its square summed over shards) is used as it is: finite and at
+    least the bucket's ``quick_norm_min`` (squared with it)."""
+    return math.isfinite(value) and value >= (low ** 2 if squared else low)

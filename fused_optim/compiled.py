@@ -37,7 +37,6 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from multi_tensor import plan, schema, validation
-from multi_tensor.bucketing import group_indices
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.fused_optim.adam_step_)
 from . import ema_schedules
@@ -59,9 +58,8 @@ UNSUPPORTED = {
 
 
 def _eager_step(opt) -> None:
-    from .base import FusedOptimizerBase
-
-    FusedOptimizerBase.step(opt)  # the eager body: torch.compiler.is_compiling() is False here
+    with torch.no_grad():
+        opt._eager_step()  # FusedOptimizerBase's eager body
 
 
 _EAGER = {key: torch._dynamo.disable(
@@ -132,8 +130,9 @@ def init_group(opt, grads, params, exp_avgs, exp_avg_sqs, emas, masters, steps, 
             lrs.append(group["lr"])
         hyper = _hyper(opt, group)
         # steps are read when the op runs, which splits a bucket by step itself
-        keys = [plan.bucket_key(p, p.grad, master=opt._uses_master(p, group)) for p in present]
-        for rows in group_indices(keys).values():
+        split = plan.split_buckets(present, [p.grad for p in present],
+                                   [opt._uses_master(p, group) for p in present])
+        for rows in split.values():
             bucket_params = [present[i] for i in rows]
             for p in bucket_params:
                 opt._init_state(p, group, opt.state[p])
@@ -199,9 +198,9 @@ def _step_home(opt, group: Dict[str, Any], spec: schema.OpSpec,
     finds in :mod:`multi_tensor.plan`'s cache."""
     if opt._step_dependent(group):
         return None
-    backend = schema.backend_for_lists(spec, lists.present())
+    backend = plan.backend_for_lists(spec, lists.present())
     bucket = plan.prepared(spec, lists, backend, opt._chunk_size)
-    return lists.params[0].device if hasattr(bucket, "run_device_step") else None
+    return lists.params[0].device if bucket.device_steps else None
 
 
 def _own_step(state: Dict[str, Any], seen: set,

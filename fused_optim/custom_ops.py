@@ -48,7 +48,6 @@ from multi_tensor import plan, rules, schema, tensor_facts
 from multi_tensor.bucketing import group_indices
 
 from . import ema_schedules
-from .functional import _noop_flag  # the per-device zero flag (never set by these calls)
 
 OP_NAME = "fused_optim::adam_step_"
 SCHEMA = (
@@ -110,10 +109,10 @@ def adam_step_(op: str, grads: List[torch.Tensor], params: List[torch.Tensor],
         # checked when the step was compiled (compiled.init_group); the prepared bucket is
         # reused across steps (multi_tensor.plan's cache)
         bucket = plan.bound(run_spec, run_lists, chunk_size)
-        plan.run_adam(run_spec, run_lists, hyper, t, _noop_flag(device), scale,
+        plan.run_adam(run_spec, run_lists, hyper, t, plan.noop_flag(device), scale,
                       chunk_size=chunk_size, checked=True, bucket=bucket)
     torch._foreach_add_(steps, 1.0)
-    if (fixed and uniform and hasattr(bucket, "run_device_step")
+    if (fixed and uniform and bucket.device_steps
             and all(s.device == device for s in steps)):
         _remember_uniform(steps)
 
@@ -158,9 +157,9 @@ def _device_step(spec, lists, steps, lr, lr_tensor, beta1, beta2, eps, weight_de
     keeps its steps on the host."""
     device = lists.params[0].device
     bucket = plan.bound(spec, lists, chunk_size)
-    if not hasattr(bucket, "run_device_step"):
+    if not bucket.device_steps:
         return False
-    flag = _noop_flag(device)
+    flag = plan.noop_flag(device)
     if found_inf is not None:
         if found_inf.device == device:
             flag = found_inf

@@ -1,23 +1,12 @@
 """Functional API: the per-tensor NPU operator contract and a list-based fused EMA-AdamW."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
 from multi_tensor import (multi_tensor_applier, multi_tensor_fused_ema_adamw, plan, rules, schema,
                           validation)
-from multi_tensor.bucketing import group_indices
-
-_NOOP_FLAGS: Dict[torch.device, torch.Tensor] = {}
-
-
-def _noop_flag(device: torch.device) -> torch.Tensor:
-    flag = _NOOP_FLAGS.get(device)
-    if flag is None:
-        flag = _NOOP_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return flag
-
 
 def npu_apply_fused_ema_adamw(grad: torch.Tensor, var: torch.Tensor, m: torch.Tensor,
                               v: torch.Tensor, s: torch.Tensor, step, lr: float = 1e-3,
@@ -56,7 +45,7 @@ def npu_apply_fused_ema_adamw(grad: torch.Tensor, var: torch.Tensor, m: torch.Te
     step = validation.check_step(op, step)
     validation.check_mode(op, mode)
     multi_tensor_fused_ema_adamw(
-        multi_tensor_applier.chunk_size, _noop_flag(var.device), [[grad], [var], [m], [v], [s]],
+        multi_tensor_applier.chunk_size, plan.noop_flag(var.device), [[grad], [var], [m], [v], [s]],
         lr, ema_decay, beta1, beta2, eps, step, mode, bias_correction, weight_decay)
     return var, m, v, s
 
@@ -108,20 +97,19 @@ def fused_ema_adamw(params: List[torch.Tensor], grads: List[torch.Tensor],
         maximize=bool(maximize), ema_decay=validation.real(op, "ema_decay", ema_decay))
     validation.check_hyperparameters(op, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
                                      ema_decay=ema_decay, weight_decay=weight_decay)
-    keys = [plan.bucket_key(p, g, master=mt is not None, step=st)
-            for p, g, mt, st in zip(params, grads, masters, steps)]
     everything = schema.AdamLists(grads=list(grads), params=list(params), exp_avgs=list(exp_avgs),
                                   exp_avg_sqs=list(exp_avg_sqs), emas=list(emas),
                                   masters=list(masters))
     calls = []
-    for (device, _, _, has_master, step, _), rows in group_indices(keys).items():
+    split = plan.split_buckets(params, grads, [mt is not None for mt in masters], steps=steps)
+    for (device, _, _, has_master, step, _), rows in split.items():
         lists = everything.take(rows)
         if not has_master:
             lists = lists.replace(masters=None)
         schema.check_adam_lists(spec, lists)  # every bucket checked before any runs
         calls.append((device, step, lists))
     for device, step, lists in calls:
-        plan.run_adam(spec, lists, hyper, step, _noop_flag(device),
+        plan.run_adam(spec, lists, hyper, step, plan.noop_flag(device),
                       None if grad_scale is None else grad_scale.to(device),
                       chunk_size=chunk_size, checked=True)
     torch._foreach_add_(list(state_steps), 1)

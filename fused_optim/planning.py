@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from multi_tensor import plan, rules, schema
-from multi_tensor.bucketing import group_indices, is_dtensor, local_shard, shard_layout
+from multi_tensor.bucketing import is_dtensor, local_shard, shard_layout
 
 from . import ema_schedules
 
@@ -45,12 +45,12 @@ class _Bucket:
     """One engine call per step: params of one device/dtype/step, their bound state, their step.
 
     ``device_steps``: the backend keeps the step counter on the device and computes the step's
-    scalars there (``prepared.run_device_step``), reading GradScaler's ``found_inf`` there too,
-    so a step needs no host sync; the host's ``step`` then counts the steps attempted. The
-    device counter is float64 (``device_step``: exact to 2**53; float32 stops counting at
-    2**24), or the backend's ``device_step_dtype`` (the NPU, without fp64: int64), and
-    ``step_tensor``, the float32 ``state["step"]`` that torch's optimizers present, is a copy of
-    it made on the device after each step.
+    scalars there (``prepared.run_device_step``: :mod:`multi_tensor.backends.contract`), reading
+    GradScaler's ``found_inf`` there too, so a step needs no host sync; the host's ``step`` then
+    counts the steps attempted. The device counter is float64 (``device_step``: exact to 2**53;
+    float32 stops counting at 2**24), or the backend's ``device_step_dtype`` (the NPU, without
+    fp64: int64), and ``step_tensor``, the float32 ``state["step"]`` that torch's optimizers
+    present, is a copy of it made on the device after each step.
 
     ``ema_free``: with ``ema_update_every = k > 1``, the bucket's lists without the EMA bound to
     the op without it, which runs the steps that do not update the EMA
@@ -79,7 +79,7 @@ class _Bucket:
         # float64 unless the backend counts in another dtype (the NPU, which has no fp64: int64,
         # the CANN operator's step tensor)
         self.device_step = (torch.full((), step, device=self.device,
-                                       dtype=getattr(prepared, "device_step_dtype", torch.float64))
+                                       dtype=prepared.device_step_dtype)
                             if device_steps else None)
         # the host step tensor's memory as a numpy scalar: writing it costs a tenth of fill_'s
         # dispatch, in every step's fixed cost (None without numpy, which torch does not need)
@@ -95,7 +95,7 @@ class _Bucket:
         self.active = prepared        # what this step runs: prepared, or ema_free
         # a host-step bucket whose backend takes noop_flag=None gets None: the optimizer never
         # sets its flag, and a flag would be read on the host at every step
-        self._flag_optional = getattr(prepared, "noop_flag_optional", False)
+        self._flag_optional = prepared.noop_flag_optional
 
     def exact_step(self) -> int:
         """The number of updates done (the device counter's, which skipped steps do not
@@ -136,8 +136,7 @@ class _Bucket:
             lr: Optional[torch.Tensor] = None) -> None:
         """One update; ``skip_flag``: a device flag (found_inf) that cancels it on the device;
         ``lr``: a device tensor the kernel reads in place of ``hyper.lr`` (capturable)."""
-        if grad_scale is None or (grad_scale.device.type == "cpu"
-                                  and getattr(self.active, "host_grad_scale", False)):
+        if grad_scale is None or (grad_scale.device.type == "cpu" and self.active.host_grad_scale):
             scale = grad_scale  # a backend that takes a host scale as a kernel scalar
         else:
             scale = grad_scale.to(self.device)
@@ -386,11 +385,13 @@ class PlanningMixin:
                 raise TypeError(f"{name}: param of dtype {params[i].dtype} has a grad of dtype "
                                 f"{g.dtype}; a complex param needs a complex grad")
         spec = self._op(group)
-        keys = [plan.bucket_key(params[i], grads[i], master=self._uses_master(params[i], group),
-                                step=self._step_of(params[i]), layout=shard_layout(params[i]))
-                for i in present]
+        rows_params = [params[i] for i in present]
+        split = plan.split_buckets(rows_params, [grads[i] for i in present],
+                                   [self._uses_master(p, group) for p in rows_params],
+                                   steps=[self._step_of(p) for p in rows_params],
+                                   layouts=[shard_layout(p) for p in rows_params])
         checked = []
-        for key, rows in group_indices(keys).items():
+        for key, rows in split.items():
             rows = [present[k] for k in rows]
             bucket_params = [params[i] for i in rows]
             for p in bucket_params:
@@ -409,7 +410,7 @@ class PlanningMixin:
             for every, op, op_lists in variants:
                 schema.check_adam_lists(op, op_lists)
                 bound.append((every, op, op_lists.state(),
-                              schema.backend_for_lists(op, op_lists.present())))
+                              plan.backend_for_lists(op, op_lists.present())))
             checked.append((rows, bucket_params, bound, layout))
         buckets = []
         for rows, bucket_params, bound, layout in checked:
@@ -418,8 +419,7 @@ class PlanningMixin:
                                                capturable=capturable)
                         for _, op, state, backend in bound]
             all_rows = len(rows) == len(params) and rows == list(range(len(params)))
-            device_steps = (hasattr(prepared[0], "run_device_step")
-                            and not self._step_dependent(group))
+            device_steps = prepared[0].device_steps and not self._step_dependent(group)
             if capturable:
                 self._check_capturable(group, bucket_params[0], bound[0][3], prepared[0],
                                        device_steps)
@@ -436,11 +436,10 @@ class PlanningMixin:
                           device_steps: bool) -> None:
         """A capturable group's bucket keeps its steps on the device and reads a tensor lr
         there; raise naming the param group and param where it cannot."""
-        backend_steps = hasattr(prepared, "run_device_step")
+        backend_steps = prepared.device_steps
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         where = f"param_groups[{gi}]['params'][{next(i for i, q in enumerate(group['params']) if q is p)}]"
-        why_not = getattr(prepared, "capturable_refusal", None)
-        why_not = why_not() if why_not is not None else None
+        why_not = prepared.capturable_refusal()
         if why_not is not None:
             raise ValueError(
                 f"{type(self).__name__}: capturable=True needs steps without a host read, but "
@@ -454,7 +453,7 @@ class PlanningMixin:
                 f"{type(self).__name__}: capturable=True needs the step counters and the per-step "
                 f"scalars on the device, but {where} ({p.device}, {p.dtype}) cannot have them: {why}")
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and not getattr(prepared, "reads_tensor_lr", True):
+        if isinstance(lr, torch.Tensor) and not prepared.reads_tensor_lr:
             raise ValueError(
                 f"{type(self).__name__}: capturable=True with a tensor lr, but {where} "
                 f"({p.device}) runs on the {backend.name!r} backend, whose operator takes lr as "

@@ -12,6 +12,14 @@ Two ways to get the kernels, one set of flags (this module; ``setup.py`` reads i
   ``$FUSED_OPTIM_CACHE`` (default ``~/.cache/fused_optim``), keyed by the sources, the flags,
   torch and Python, as DeepSpeed's and MindSpeed's op builders do.
 
+The cache is trusted only when it is the user's own: a library found there runs inside every
+training process, so the cache directory, the build's key directory and the module must each be
+owned by the current user and writable by no one else (ssh's StrictModes, op-plugin's
+``checkOwner``). Otherwise (a cache on a shared directory, where another user could plant a
+library at the predictable path) nothing there is loaded or written: the kernels are built into
+a private directory of this process (mode 0700), with one warning saying why. The cache's
+directories are made 0700 and its modules 0755 whatever the umask.
+
 The compiler is called directly (``$CXX``, default ``c++``): one translation unit per ISA, so
 no ninja is needed. A failed build raises :class:`BuildError` with the compiler's output; the
 native backend then warns with it and the reference backend runs.
@@ -24,10 +32,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import stat
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import warnings
 from typing import Dict, List, Optional
 
 # -ffp-contract=off keeps the compiler from fusing a*b+c into an FMA (the numerics contract,
@@ -93,18 +103,62 @@ def compile_command(isa: str, output: str, src: Optional[str] = None) -> List[st
                "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", *LINK_FLAGS])
 
 
-def cache_path(isa: str) -> str:
-    """Where the first-use build of ``isa`` lives (a new key for new sources, flags or torch)."""
+def cache_root() -> str:
+    """The cache directory: ``$FUSED_OPTIM_CACHE``, default ``~/.cache/fused_optim``."""
+    return os.environ.get("FUSED_OPTIM_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "fused_optim")
+
+
+def cache_path(isa: str, root: Optional[str] = None) -> str:
+    """Where the first-use build of ``isa`` lives under ``root`` (default :func:`cache_root`):
+    ``<root>/<key>/_C_<isa><suffix>``, a new key for new sources, flags or torch."""
     import torch
 
     src = source_dir()
     key = hashlib.sha256("\n".join([
         _sources_digest(src), " ".join(COMMON_FLAGS + ISA_FLAGS[isa] + LINK_FLAGS),
         torch.__version__, sys.version, os.environ.get("CXX", "c++")]).encode()).hexdigest()[:16]
-    root = os.environ.get("FUSED_OPTIM_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "fused_optim")
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    return os.path.join(root, key, f"_C_{isa}{suffix}")
+    return os.path.join(root or cache_root(), key, f"_C_{isa}{suffix}")
+
+
+def _current_uid() -> int:
+    return os.getuid()
+
+
+def untrusted(path: str) -> Optional[str]:
+    """Why the cache module or directory at ``path`` (with everything above it up to the cache
+    directory) must not be trusted, or None: each that exists must be owned by the current user
+    and not writable by its group or by others."""
+    key_dir = os.path.dirname(path)
+    for p in (os.path.dirname(key_dir), key_dir, path):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != _current_uid():
+            return f"{p} is owned by uid {st.st_uid}, not by this user (uid {_current_uid()})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return (f"{p} is writable by its group or by others (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o})")
+    return None
+
+
+_private: List[str] = []  # this process's private build directory, once made
+
+
+def _private_root(why: str) -> str:
+    """A directory only this process's user can use (``mkdtemp``: mode 0700), made once, with
+    the one warning that the cache is not used."""
+    if not _private:
+        _private.append(tempfile.mkdtemp(prefix="fused_optim-"))
+        warnings.warn(
+            f"fused-optim: the native kernels' build cache is not used: {why}. Another user "
+            f"could place a library there that every training process would load. Building "
+            f"into the private directory {_private[0]} instead (again in every process). Make "
+            f"the cache yours and writable only by you (chown, chmod go-w), or set "
+            f"FUSED_OPTIM_CACHE to such a directory.", RuntimeWarning, stacklevel=3)
+    return _private[0]
 
 
 def build(isa: str, *, quiet: bool = False) -> str:
@@ -112,9 +166,13 @@ def build(isa: str, *, quiet: bool = False) -> str:
     if source_dir() is None:
         raise BuildError("the C++ sources are not installed (multi_tensor/_csrc is missing)")
     path = cache_path(isa)
+    why = untrusted(path)
+    if why is not None:
+        path = cache_path(isa, _private_root(why))
     if os.path.exists(path):
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for directory in (os.path.dirname(os.path.dirname(path)), os.path.dirname(path)):
+        os.makedirs(directory, mode=0o700, exist_ok=True)
     import fcntl
 
     with open(path + ".lock", "w") as lock:
@@ -133,13 +191,19 @@ def build(isa: str, *, quiet: bool = False) -> str:
             os.unlink(tmp)
             raise BuildError(f"compiling the {isa} kernels failed ({shlex.join(cmd[:1])} exit "
                              f"{proc.returncode}):\n{(proc.stderr or proc.stdout)[-3000:]}")
+        os.chmod(tmp, 0o755)  # the linker's mode follows the umask, which may let the group write
         os.replace(tmp, path)
     return path
 
 
 def load(isa: str, path: str):
-    """Import a built ``_C_<isa>`` module from ``path``."""
+    """Import a built ``_C_<isa>`` module from ``path`` (:func:`build`'s), refusing one that is
+    not trusted (:func:`untrusted`) now."""
     import importlib.util
+
+    why = untrusted(path)
+    if why is not None:
+        raise BuildError(f"not loading {path}: {why}")
 
     name = f"multi_tensor._C_{isa}"
     spec = importlib.util.spec_from_file_location(name, path)

@@ -172,7 +172,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     spec = schema.OPS["scale"]
     validation.check_chunk_size(spec.api_name, chunk_size)
     form = schema.check_lists(spec, tensor_lists)
-    backend = schema.backend_for_lists(spec, zip(form.names, tensor_lists))
+    backend = plan.backend_for_lists(spec, zip(form.names, tensor_lists))
     if backend is not None:
         backend.ops["scale"](chunk_size, noop_flag, tensor_lists, float(scale))
 
@@ -186,7 +186,7 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     spec = schema.OPS["l2norm"]
     validation.check_chunk_size(spec.api_name, chunk_size)
     form = schema.check_lists(spec, tensor_lists)
-    backend = schema.backend_for_lists(spec, zip(form.names, tensor_lists))
+    backend = plan.backend_for_lists(spec, zip(form.names, tensor_lists))
     if backend is None:
         backend = schema.registry.backend_for("l2norm", noop_flag.device)
     return backend.ops["l2norm"](chunk_size, noop_flag, tensor_lists, bool(per_tensor))

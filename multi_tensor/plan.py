@@ -4,8 +4,8 @@ Four entry points run the Adam-family update: the optimizers' eager ``step()``
 (:mod:`fused_optim.base`), the compiled custom op (:mod:`fused_optim.custom_ops`), the functional
 API (:mod:`fused_optim.functional`) and the apex ops (:mod:`multi_tensor.ops`). They all
 
-1. split rows into buckets by :func:`bucket_key` (one device, one dtype per list, one step
-   count, masters or not, one shard layout);
+1. split rows into buckets by :func:`bucket_key` (:func:`split_buckets`: one device, one dtype
+   per list, one step count, masters or not, one shard layout);
 2. name each bucket's lists (:class:`multi_tensor.schema.AdamLists`) and check them once
    against the op table (:func:`multi_tensor.schema.check_adam_lists`), before anything is
    modified;
@@ -26,16 +26,28 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Hashable, Optional
+from typing import Dict, Hashable, List, Optional, Sequence
 
 import torch
 
-from . import rules, schema, tensor_facts
+from . import rules, schema, tensor_facts, validation
+from .bucketing import group_indices
+from .backends import registry
 
 CACHE_SIZE = 16
 
 _cache: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
 _cache_lock = threading.Lock()
+_noop_flags: Dict[torch.device, torch.Tensor] = {}
+
+
+def noop_flag(device: torch.device) -> torch.Tensor:
+    """The zero ``noop_flag`` of ``device`` for callers that never ask a kernel to set it (the
+    optimizers, the functional API, the compiled op): one per device, made once."""
+    flag = _noop_flags.get(device)
+    if flag is None:
+        flag = _noop_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
 
 
 def bucket_key(param: torch.Tensor, grad: torch.Tensor, *, master: bool, step: Optional[int] = None,
@@ -47,6 +59,21 @@ def bucket_key(param: torch.Tensor, grad: torch.Tensor, *, master: bool, step: O
     so that one bucket's local shards are cut alike.
     """
     return (param.device, param.dtype, grad.dtype, bool(master), step, layout)
+
+
+def split_buckets(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                  masters: Sequence[bool], steps: Optional[Sequence[int]] = None,
+                  layouts: Optional[Sequence[Hashable]] = None) -> Dict[tuple, List[int]]:
+    """Rows split into buckets, for every entry point: ``{bucket_key: [row indices]}``, keys in
+    order of first appearance and rows in order (bucket order never changes a result: the
+    update is elementwise). Row ``i`` is ``params[i]``, ``grads[i]``, whether it has master
+    weights (``masters[i]``), its step count and shard layout (:func:`bucket_key`; None: the
+    key leaves them out)."""
+    n = len(params)
+    steps = [None] * n if steps is None else steps
+    layouts = [None] * n if layouts is None else layouts
+    return group_indices(bucket_key(p, g, master=m, step=s, layout=lay)
+                         for p, g, m, s, lay in zip(params, grads, masters, steps, layouts))
 
 
 def _state_of(lists: schema.AdamLists) -> list:
@@ -98,12 +125,36 @@ def prepared(spec: schema.OpSpec, lists: schema.AdamLists, backend, chunk_size: 
     return bucket
 
 
+def backend_for_lists(spec: schema.OpSpec, named) -> Optional[registry.Backend]:
+    """The backend that runs checked lists (None when there are no rows).
+
+    ``named``: ``(name, list)`` pairs, the first one fixing the device (the params for the Adam
+    family: ``AdamLists.present()`` after the grads; the sources for ``scale``). Tensors without
+    real storage (DTensor, meta, fake) only go to a backend that declares it runs them; when
+    none does, ``TypeError`` names the tensor.
+    """
+    named = list(named)
+    ref = next((ts for name, ts in named if name == "params"), named[0][1])
+    if not ref:
+        return None
+    device = ref[0].device
+    which = validation.storageless([ts for _, ts in named], [name for name, _ in named])
+    try:
+        return registry.backend_for(spec.name, device, tensor_subclasses=which is not None)
+    except NotImplementedError:
+        if which is None:
+            raise
+        raise TypeError(
+            f"{spec.api_name}: {which} has no real storage (a DTensor, meta or fake tensor) and "
+            f"no registered backend for {device.type} runs such tensors (for a DTensor, pass its "
+            f"local shard: t.to_local())") from None
+
+
 def _device_backend(spec: schema.OpSpec, lists: schema.AdamLists):
     """The backend registered for the params' device (no pass over the tensors), or None."""
     params = lists.params
     if not params or not isinstance(params[0], torch.Tensor):  # (not checked yet)
         return None
-    from .backends import registry
     try:
         return registry.backend_for(spec.name, params[0].device)
     except NotImplementedError:
@@ -116,14 +167,14 @@ def unchanged(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, onc
     tensors at the addresses the bucket bound; the bucket keeps the storage it bound alive, so
     an equal address is the same storage), bound to the grads; else None. The checks that made
     it (:func:`multi_tensor.schema.check_adam_lists`) still hold then, so a caller may skip them.
-    Only buckets that can tell (``bind_unchanged``: the Triton backend's) are found here."""
+    Only buckets that can tell (``Bucket.bind_unchanged``: the Triton backend's) are found here."""
     backend = _device_backend(spec, lists)
     if backend is None:
         return None
     _, bucket = _cached(backend, spec, lists, chunk_size, once)
-    if bucket is None or not hasattr(bucket, "bind_unchanged"):
+    if bucket is None or not bucket.bind_unchanged(lists.grads):
         return None
-    return bucket if bucket.bind_unchanged(lists.grads) else None
+    return bucket
 
 
 def bound(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: bool = True):
@@ -136,7 +187,7 @@ def bound(spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: int, once: b
         _, bucket = _cached(backend, spec, lists, chunk_size, once)
         if bucket is not None and bucket.bind(lists.grads):
             return bucket
-    return prepared(spec, lists, schema.backend_for_lists(spec, lists.present()), chunk_size,
+    return prepared(spec, lists, backend_for_lists(spec, lists.present()), chunk_size,
                     once)
 
 

@@ -279,6 +279,12 @@ def device_hyper(h: AdamHyper) -> DeviceHyper:
                        radam=h.rule == RADAM)
 
 
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded once to ``dtype`` (nearest even; beyond its range: inf), returned as a
+    Python float holding that value."""
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype).item())
+
+
 def pack(values: NamedTuple, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The packed buffer of a :class:`StepScalars` (or :class:`DeviceHyper`): a CPU tensor of
     ``dtype`` whose slot i is field i, each double rounded once to ``dtype`` (a flag: 0.0 / 1.0)."""

@@ -28,7 +28,6 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from . import rules, validation
-from .backends import registry
 
 # The EMA storage dtype an fp32-math bucket may keep besides its state dtype.
 REDUCED_EMA_DTYPE = torch.bfloat16
@@ -183,29 +182,12 @@ def check_lists(spec: OpSpec, tensor_lists) -> ListForm:
     return form
 
 
-def backend_for_lists(spec: OpSpec, named) -> Optional[registry.Backend]:
-    """The backend that runs checked lists (None when there are no rows).
-
-    ``named``: ``(name, list)`` pairs, the first one fixing the device (the params for the Adam
-    family: ``AdamLists.present()`` after the grads; the sources for ``scale``). Tensors without
-    real storage (DTensor, meta, fake) only go to a backend that declares it runs them; when
-    none does, ``TypeError`` names the tensor.
-    """
-    named = list(named)
-    ref = next((ts for name, ts in named if name == "params"), named[0][1])
-    if not ref:
-        return None
-    device = ref[0].device
-    which = validation.storageless([ts for _, ts in named], [name for name, _ in named])
-    try:
-        return registry.backend_for(spec.name, device, tensor_subclasses=which is not None)
-    except NotImplementedError:
-        if which is None:
-            raise
-        raise TypeError(
-            f"{spec.api_name}: {which} has no real storage (a DTensor, meta or fake tensor) and "
-            f"no registered backend for {device.type} runs such tensors (for a DTensor, pass its "
-            f"local shard: t.to_local())") from None
+def grad_dtypes(param_dtype: Optional[torch.dtype]) -> tuple:
+    """The grad dtypes a bucket of ``param_dtype`` params takes: fp16, bf16 or fp32, fp64 for
+    fp64 params (the op table's rule, which every backend's bind applies too)."""
+    if param_dtype == torch.float64:
+        return (torch.float64,)
+    return validation.GRAD_DTYPES
 
 
 def _check_adam_dtypes(op: str, lists: Dict[str, Sequence[torch.Tensor]], has_master: bool) -> None:
@@ -234,5 +216,4 @@ def _check_adam_dtypes(op: str, lists: Dict[str, Sequence[torch.Tensor]], has_ma
             + ("(optimizer state and masters are fp32 in the master-weights form)"
                if has_master else "(the same dtype as params)"))
     if "grads" in lists:
-        grad_allowed = (torch.float64,) if param_dtype == torch.float64 else validation.GRAD_DTYPES
-        validation.check_list_dtype(op, "grads", lists["grads"], grad_allowed)
+        validation.check_list_dtype(op, "grads", lists["grads"], grad_dtypes(param_dtype))

@@ -5,7 +5,8 @@ is given and still where it bound them (a ``data_ptr`` per tensor), and, when th
 objects (every step after ``zero_grad(set_to_none=True)``), their dtype, device, layout and
 shape. In Python each of those costs 0.1-0.4 µs per tensor and attribute, milliseconds per step
 for thousands of tensors; the native extension (``csrc/cpu/tensor_facts.cpp``) does the pass in a
-few ns per tensor. Without the extension the pure-Python twins below give the same results.
+few ns per tensor; the cpu backend hands it over when it loads (:func:`use_native`). Without the
+extension the pure-Python twins below give the same results.
 
 * :func:`addresses`: each tensor's ``data_ptr`` as native int64 bytes (equal bytes: the same
   addresses), or None when an item is not a strided tensor with an address (a nonempty tensor
@@ -91,18 +92,19 @@ def pack_shapes(shapes: Sequence) -> bytes:
     return np.asarray([v for s in shapes for v in (len(s), *s)], dtype=np.int64).tobytes()
 
 
-_UNSET = object()
-_NATIVE = _UNSET  # the extension module, None (the Python twins), or not looked up yet
+_NATIVE = None  # the extension module with these functions, or None (the Python twins)
+
+
+def use_native(mod) -> None:
+    """Run these functions on ``mod``, the native extension (the cpu backend calls this when
+    its extension loads; this module never imports a backend), or on the Python twins (None,
+    or a build without them)."""
+    global _NATIVE
+    _NATIVE = mod if mod is not None and hasattr(mod, "same_objects") else None
 
 
 def _mod():
-    """The extension module with these functions, or None. Looked up at the first call: the
-    backends' modules import this one while the native backend itself is being loaded."""
-    global _NATIVE
-    if _NATIVE is _UNSET:
-        from .backends import cpu as native_cpu
-        mod = native_cpu.loaded_module
-        _NATIVE = mod if mod is not None and hasattr(mod, "same_objects") else None
+    """The extension module these functions run on, or None (the Python twins)."""
     return _NATIVE
 
 

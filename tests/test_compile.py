@@ -349,6 +349,8 @@ class _DeviceStepBucket:
     """A prepared bucket that computes the step's scalars on the device (as the Triton
     backend's does)."""
 
+    device_steps = True
+
     def run_device_step(self, *args, **kwargs):
         raise AssertionError("not run here")
 

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from fused_optim import FusedEmaAdamW
 from multi_tensor.testing import npu_model
 from multi_tensor.backends.npu import ops as npu_ops
 from multi_tensor.testing.npu_model import DeviceModel
@@ -364,7 +365,7 @@ def test_the_table_covers_the_models_scenarios():
 
 @functools.lru_cache(maxsize=None)
 def measure(name: str, params: int) -> npu_model.Measure:
-    return npu_model.run_scenario(name, params)
+    return npu_model.run_scenario(name, params, optimizer=FusedEmaAdamW)
 
 
 def _describe(m: npu_model.Measure) -> str:
@@ -524,9 +525,9 @@ def test_a_planted_host_read_is_counted(monkeypatch, scenario, kind):
         PLANTED[kind](g)
         return launch(self, fn, g, *args, **kwargs)
 
-    clean = npu_model.run_scenario(scenario, 3)
+    clean = npu_model.run_scenario(scenario, 3, optimizer=FusedEmaAdamW)
     monkeypatch.setattr(FlatAdamBucket, "_launch", planted)
-    m = npu_model.run_scenario(scenario, 3)
+    m = npu_model.run_scenario(scenario, 3, optimizer=FusedEmaAdamW)
     assert m.ours.syncs == clean.ours.syncs + 1, _describe(m)
     site = [s for s in m.ours.sync_sites if "test_npu_sim.py" in s]
     assert len(site) == 1 and "<lambda>" in site[0], m.ours.sync_sites

@@ -90,7 +90,7 @@ def test_matches_ieee_oracle_bitwise(backend, case, dtype):
                            as_numpy(lists[4][0], np_t) if op.has_ema else None, dtype=np_t)
     with forced_backend(backend):
         named = multi_tensor.ops.named_lists(op, lists)
-        multi_tensor.schema.backend_for_lists(op, named.present()).ops[op.name](
+        multi_tensor.plan.backend_for_lists(op, named.present()).ops[op.name](
             2048, torch.zeros(1, dtype=torch.int32), named, c, None, False)
     got = {"w": weights, "m": lists[2][0], "v": lists[3][0]}
     if op.has_ema:

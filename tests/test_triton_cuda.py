@@ -151,7 +151,7 @@ def test_cuda_optimizer_step_is_sync_free_under_grad_scaler(max_grad_norm):
     for _ in range(2):  # warm-up: plans, kernel compilation, the step tensors move to the GPU
         iteration()
     buckets = [b for plan in opt._plans.values() for b in plan.buckets]
-    assert all(hasattr(b.prepared, "run_device_step") for b in buckets)
+    assert all(b.prepared.device_steps for b in buckets)
     params_before = [p.detach().clone() for p in model.parameters()]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -813,8 +813,10 @@ def _optimizer_big_step():
 
 
 class _HostSteps:
-    """A triton bucket that keeps its steps on the host (no ``run_device_step``): the clipped
+    """A triton bucket that keeps its steps on the host (``device_steps`` False): the clipped
     step then reads the norm's finiteness on the host."""
+
+    device_steps = False
 
     def __init__(self, bucket):
         self._bucket = bucket

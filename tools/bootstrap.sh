@@ -2,8 +2,9 @@
 # Installs what the demo (default) or the tests (--test) need, then this package with its C++ kernels.
 #
 #   bash tools/bootstrap.sh          # torch (if missing) + the package + scikit-learn, tqdm, matplotlib
-#   bash tools/bootstrap.sh --test   # ... + pytest, ruff, triton (pinned, for the Triton backend's
-#                                    #     tests), lightning, transformers, accelerate (the recipe tests)
+#   bash tools/bootstrap.sh --test   # ... + pytest, ruff and import-linter (the lint), triton (pinned,
+#                                    #     for the Triton backend's tests), lightning, transformers,
+#                                    #     accelerate (the recipe tests)
 #
 # An installed torch is kept as it is. Where none is present a CPU build of torch is installed:
 # first as the local wheel `torch==2.13.0+cpu` from pip's configured sources (wheelhouses),
@@ -33,6 +34,9 @@ if [[ "${1:-}" == "--test" ]]; then
     # the linter .ci/run runs before the tests (configured in pyproject.toml); pinned, so a new
     # ruff release cannot fail CI with rules the code has not seen
     build_deps+=("ruff==${RUFF_VERSION:-0.17.6}")
+    # lint-imports: the package's import rules (pyproject.toml's [tool.importlinter]), pinned
+    # likewise; its grimp also serves tests/test_import_rules.py
+    build_deps+=("import-linter==${IMPORT_LINTER_VERSION:-2.16}")
     # the frameworks tests/test_frameworks.py runs docs/recipes.md's recipes in; pinned to versions
     # tested with torch 2.13, whose torch requirement (>= 2.1) the installed torch meets
     build_deps+=(lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0)

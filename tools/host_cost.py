@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         rows.append(("  of which: check_adam_lists",
                      timed(lambda: schema.check_adam_lists(spec, named), args.iters)))
         from multi_tensor import plan
-        backend = schema.backend_for_lists(spec, named.present())
+        backend = plan.backend_for_lists(spec, named.present())
         bucket = plan.prepared(spec, named, backend, 2048 * 32)
         rows.append(("  of which: cached bucket lookup + bind",
                      timed(lambda: plan.prepared(spec, named, backend, 2048 * 32), args.iters)))

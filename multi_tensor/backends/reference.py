@@ -21,17 +21,13 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import schema
-from ..rules import StepScalars
-from .registry import ANY_DEVICE, Backend, PreparedOp, register_backend
+from ..rules import StepScalars, rounded
+from .contract import ANY_DEVICE, Backend
+from .registry import PreparedOp, register_backend
 
 
 def math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def rounded(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded once to ``dtype`` (returned as a Python float holding that value)."""
-    return float(torch.tensor(value, dtype=torch.float64).to(dtype).item())
 
 
 def ieee_sqrt(tensors: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -1,31 +1,17 @@
 """Backend registry: which implementation runs an op on a given device.
 
-A :class:`Backend` names the device types it serves, a priority, and the ops it implements
-(names from :data:`multi_tensor.schema.OPS`). ``backend_for(op, device)`` returns the
-highest-priority backend that implements ``op`` for ``device.type``. The pure-PyTorch reference
-backend serves every device type (``"*"``) at the lowest priority, so an op always resolves.
-Optimizers never name a backend: a new one (say CUDA) is one module that registers itself.
+A :class:`~multi_tensor.backends.contract.Backend` names the device types it serves, a priority,
+and the ops it implements (names from :data:`multi_tensor.schema.OPS`). ``backend_for(op,
+device)`` returns the highest-priority backend that implements ``op`` for ``device.type``. The
+pure-PyTorch reference backend serves every device type (``"*"``) at the lowest priority, so an
+op always resolves. Optimizers never name a backend: a new one (say CUDA) is one module that
+registers itself. What a backend and its buckets offer (*prepare, bind, run* and the rest) is
+written out in :mod:`multi_tensor.backends.contract`.
 
 Every backend receives input already checked against the op table (:mod:`multi_tensor.schema`)
-and trusts it. The one contract for the Adam family is *prepare, bind, run*::
-
-    bucket = backend.prepare(op, lists, chunk_size, once)   # lists: schema.AdamLists, no grads
-    bucket.bind(grads) -> bool    # cheap per-step check that the grads (and the state) still
-                                  # fit; takes them for the next run
-    bucket.run(noop_flag, scalars, grad_scale, check_finite)   # scalars: rules.StepScalars
-
-``once``: the bucket serves one call on the caller's tensors (an apex op call), so it must not
-re-point them (the flat NPU buckets otherwise move state into buffers of their own). The
-one-shot op ``backend.ops[op](chunk_size, noop_flag, lists, scalars, grad_scale,
-check_finite)`` is derived from it here, for every backend alike. ``scale`` and ``l2norm`` are
-plain functions::
-
-    scale        impl(chunk_size, noop_flag, [srcs, dsts], scale)
-    l2norm       impl(chunk_size, noop_flag, [tensors], per_tensor)
-
-Tensors without real storage (DTensor, meta, fake) go only to backends that declare
-``tensor_subclasses=True`` (the reference does: it runs plain torch ops, which dispatch through
-such tensors); for the others the front end raises ``TypeError``.
+and trusts it. Tensors without real storage (DTensor, meta, fake) go only to backends that
+declare ``tensor_subclasses=True`` (the reference does: it runs plain torch ops, which dispatch
+through such tensors); for the others the front end raises ``TypeError``.
 
 ``MULTI_TENSOR_BACKEND=<name>`` in the environment, or :func:`forced_backend`, restricts
 resolution to one backend (ops it does not implement still resolve to ``reference``).
@@ -35,65 +21,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from .. import tensor_facts
-
-ANY_DEVICE = "*"
-
-
-@dataclass
-class Backend:
-    """A named set of op implementations for some device types (see the module docstring).
-
-    ``prepare``: the Adam family's *prepare* step, for the ops named in ``adam_ops``; their
-    one-shot ``ops[op]`` entries are derived from it.
-    """
-
-    name: str
-    device_types: tuple
-    priority: int
-    ops: Dict[str, Callable] = field(default_factory=dict)   # scale, l2norm (+ derived Adam ops)
-    prepare: Optional[Callable] = None  # prepare(op, lists, chunk_size, once) -> prepared bucket
-    adam_ops: tuple = ()
-    tensor_subclasses: bool = False     # runs tensors without real storage (DTensor, meta, fake)
-    description: str = ""
-    # whether its devices compute in fp64; False (the Ascend AI Core): no fp64 tensor is made on
-    # them, and the clipping and unscale scalars are computed in fp32 (fused_optim/clipping.py)
-    fp64: bool = True
-    # prepare_capturable(op, lists, chunk_size) -> a bucket with ``run_device_step``, for a
-    # capturable group, where the backend's plain buckets keep their steps on the host because
-    # that is cheaper there (the NPU: see multi_tensor/backends/npu.py); None: ``prepare``
-    prepare_capturable: Optional[Callable] = None
-
-    def __post_init__(self):
-        for op in self.adam_ops:
-            self.ops[op] = _one_shot(self, op)
-
-    def handles(self, device_type: str) -> bool:
-        return ANY_DEVICE in self.device_types or device_type in self.device_types
-
-    def prepare_bucket(self, op: str, lists, chunk_size: int, once: bool = False,
-                       capturable: bool = False):
-        """The op bound to one bucket's state lists (a :class:`multi_tensor.schema.AdamLists`
-        without grads); ``capturable``: for a capturable param group (``prepare_capturable``)."""
-        if capturable and self.prepare_capturable is not None:
-            return self.prepare_capturable(op, lists, chunk_size)
-        return self.prepare(op, lists, chunk_size, once)
-
-
-def _one_shot(backend: Backend, op: str) -> Callable:
-    """``ops[op]`` of an Adam-family op: prepare (once), bind, run."""
-    def impl(chunk_size, noop_flag, lists, scalars, grad_scale=None, check_finite=False):
-        bucket = backend.prepare(op, lists.state(), chunk_size, True)
-        if not bucket.bind(lists.grads):
-            raise RuntimeError(f"{backend.name}: {op}: lists that passed the op check did not bind")
-        bucket.run(noop_flag, scalars, grad_scale, check_finite)
-    impl.__name__ = f"{backend.name}_{op}"
-    return impl
+from ..schema import grad_dtypes
+from .contract import ANY_DEVICE, Backend, Bucket  # noqa: F401  (Backend: registered here)
 
 
 _lock = threading.Lock()
@@ -160,13 +94,6 @@ def backend_for(op: str, device, *, tensor_subclasses: bool = False) -> Backend:
     return backend
 
 
-def grad_dtypes(param_dtype: Optional[torch.dtype]) -> tuple:
-    """The grad dtypes a bucket of ``param_dtype`` params takes (the op table's rule)."""
-    if param_dtype == torch.float64:
-        return (torch.float64,)
-    return (torch.float16, torch.bfloat16, torch.float32)
-
-
 class GradsCheck:
     """The per-step grad check of the Python buckets: one grad per row, one dtype from
     ``allowed``, each of its row's shape, strided, on ``device``. False means "plan again":
@@ -212,7 +139,7 @@ class GradsCheck:
             t.shape == shape for t, shape in zip(tensors, self.shapes))
 
 
-class PreparedOp:
+class PreparedOp(Bucket):
     """An Adam-family bucket of a backend whose kernel takes whole lists per call (the reference).
 
     ``bind(grads)`` is the cheap per-step check (same count, one allowed dtype, dense, the

@@ -66,9 +66,9 @@ Sections: records are attributed to the current section (``"step"`` by default;
 :meth:`DeviceModel.track_optimizer` attributes an optimizer's own ``step()`` to ``"optimizer"``
 and everything else, e.g. ``torch.amp.GradScaler``'s own ops, to the surrounding section).
 
-:func:`scenario_table` runs the scenarios of :data:`SCENARIOS` (three steps of ``FusedEmaAdamW`` on
-the stand-in, the third one measured) and :func:`format_table` prints them. Nothing here is
-imported by the package itself.
+:func:`scenario_table` runs the scenarios of :data:`SCENARIOS` (three steps of the optimizer class
+it is given, ``FusedEmaAdamW``, on the stand-in, the third one measured) and :func:`format_table`
+prints them. Nothing here is imported by the package itself.
 """
 from __future__ import annotations
 
@@ -553,17 +553,17 @@ class Measure:
         return self.ours.bytes_per(self.elements)
 
 
-def run_scenario(name: str, params: int, *, steps: int = 3, seed: int = 0,
+def run_scenario(name: str, params: int, *, optimizer: Callable, steps: int = 3, seed: int = 0,
                  host_born: bool = True) -> Measure:
-    """``steps`` steps of ``FusedEmaAdamW`` on the NPU stand-in; the last one measured.
+    """``steps`` steps of ``optimizer`` (the class, ``fused_optim.FusedEmaAdamW``: this module
+    is part of the engine, which never imports the optimizers) on the NPU stand-in; the last
+    one measured.
 
     Grads are produced by autograd's backward (of ``sum(p * g)``) after the optimizer's
     ``zero_grad()``, both outside the measurement (they are the user's), so the grads land
     wherever backward accumulates them. With GradScaler the measured region is
     ``scaler.step(opt)`` + ``scaler.update()``, the optimizer's own step reported apart.
     """
-    from fused_optim import FusedEmaAdamW  # the package imports this module never
-
     from ..backends import npu
     from . import npu_standin
     from ..backends import forced_backend
@@ -574,7 +574,7 @@ def run_scenario(name: str, params: int, *, steps: int = 3, seed: int = 0,
     gen = torch.Generator().manual_seed(seed + 1)
     weights = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype))
                for s in shapes]
-    opt = FusedEmaAdamW(weights, lr=1e-3, weight_decay=0.01,
+    opt = optimizer(weights, lr=1e-3, weight_decay=0.01,
                         max_grad_norm=options.get("max_grad_norm"),
                         capturable=options.get("capturable", False))
     scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
@@ -621,12 +621,13 @@ class Row:
     measures: List[Measure]
 
 
-def scenario_table(params: Sequence[int] = (20, 200), *, seed: int = 0,
+def scenario_table(params: Sequence[int] = (20, 200), *, optimizer: Callable, seed: int = 0,
                    scenarios: Optional[Sequence[str]] = None, host_born: bool = True) -> List[Row]:
-    """Every scenario (or those named) at each number of params (``host_born``: see
-    :class:`DeviceModel`)."""
+    """Every scenario (or those named) at each number of params, stepped by ``optimizer`` (see
+    :func:`run_scenario`; ``host_born``: see :class:`DeviceModel`)."""
     names = list(SCENARIOS) if scenarios is None else list(scenarios)
-    return [Row(name, [run_scenario(name, n, seed=seed, host_born=host_born) for n in params])
+    return [Row(name, [run_scenario(name, n, optimizer=optimizer, seed=seed, host_born=host_born)
+                       for n in params])
             for name in names]
 
 
@@ -656,6 +657,3 @@ def format_table(rows: Sequence[Row]) -> str:
             f"| {_arrow(f'{m.bytes_per_element:.1f}' for m in ms)} | {scaler} |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":  # python -m multi_tensor.testing.npu_model
-    print(format_table(scenario_table()))

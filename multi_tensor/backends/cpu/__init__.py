@@ -24,9 +24,10 @@ from typing import Optional
 
 import torch
 
-from ... import build, rules, schema
+from ... import build, rules, schema, tensor_facts
 from .. import reference
-from ..registry import Backend, register_backend
+from ..contract import Backend, Bucket
+from ..registry import register_backend
 
 BUILD_COMMAND = "python -m multi_tensor.build (or pip install --no-build-isolation .)"
 
@@ -116,8 +117,12 @@ def _warn_once(reason: str) -> None:
 
 
 def _make_backend(mod) -> Backend:
+    class CpuBucket(mod.AdamBucket, Bucket):
+        """The extension's ``AdamBucket`` (bind and run in C++) with the contract's defaults."""
+        __slots__ = ()
+
     def prepare(op, lists, chunk_size, once=False):
-        return mod.AdamBucket(lists, chunk_size)
+        return CpuBucket(lists, chunk_size)
 
     def scale(chunk_size, noop_flag, tensor_lists, scale):
         if not mod.scale(chunk_size, noop_flag, tensor_lists, scale):
@@ -153,6 +158,7 @@ def _init() -> None:
         _warn_once(err)
         return
     loaded_module, capability = mod, cap
+    tensor_facts.use_native(mod)
     BACKEND = register_backend(_make_backend(mod))
 
 

@@ -119,7 +119,9 @@ from typing import Callable, Optional
 import torch
 
 from ... import schema
-from ..registry import Backend, register_backend
+from ..contract import Backend
+from ..registry import register_backend
+from . import fp32_exact
 from . import ops as npu_ops
 from .bucket import FlatAdamBucket
 from .capturable import CapturableFlatAdamBucket
@@ -172,6 +174,23 @@ def _refuse_fp64(backend: str, op: str, lists) -> None:
                     f"arithmetic; use float32 params (or bf16/fp16 with fp32 master weights)")
 
 
+def combine_norms(totals, device, sum_over_shards) -> torch.Tensor:
+    """The global grad norm from the buckets' fp32 norms ``(norm, shard layout or None)``,
+    without fp64 (:attr:`Backend.combine_norms`): one unsharded bucket's norm as it is (as the
+    host path, whose ``sqrt(fsum([n * n]))`` is ``n``); else a sharded bucket's squared norm
+    summed over its ranks in fp32 and its correctly rounded square root, and the norm of the
+    buckets' norms by the blocked fp32 norm (scaled, so no square overflows)."""
+    if len(totals) == 1 and totals[0][1] is None:
+        return totals[0][0].to(dtype=torch.float32, device=device).reshape(())
+    norms = []
+    for total, layout in totals:
+        total = total.to(dtype=torch.float32)
+        if layout is not None:
+            total = fp32_exact.sqrt([sum_over_shards(total.square(), layout)])[0]
+        norms.append(total.to(device=device).reshape(1))
+    return npu_ops.norm_flat(torch.cat(norms))
+
+
 def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
                  device_op: Optional[Callable] = None, description: Optional[str] = None) -> Backend:
     """A flat-bucket backend. The registered one serves ``"npu"`` and loads CANN's operator on
@@ -191,6 +210,7 @@ def make_backend(name: str = "npu", device_types=("npu",), priority: int = 20,
     backend = Backend(
         name=name, device_types=tuple(device_types), priority=priority,
         ops={"scale": npu_ops.scale, "l2norm": npu_ops.l2norm}, fp64=False,
+        combine_norms=combine_norms,
         prepare=prepare, prepare_capturable=prepare_capturable, adam_ops=schema.ADAM_OPS,
         description=description or ("flat buckets, one CANN aclnnApplyFusedEmaAdam launch per "
                                     "bucket (default) or the exact path "

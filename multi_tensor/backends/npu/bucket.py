@@ -9,6 +9,7 @@ import torch
 from ... import schema, tensor_facts
 from ...rules import StepScalars
 from .. import reference, registry
+from ..contract import Bucket
 from . import flat
 from . import ops as npu_ops
 from .loader import DeviceOp, _ensure_torch_npu
@@ -27,7 +28,7 @@ TORCH_PATH_SLICE = 2 ** 26
 """Elements per slice on the exact path (bounds its temporaries; elementwise, so exact)."""
 
 
-class FlatAdamBucket:
+class FlatAdamBucket(Bucket):
     """One bucket of an Adam-family op in flat buffers (see the module docstring).
 
     ``lists``: a :class:`~multi_tensor.schema.AdamLists` without grads. ``repoint``: re-point
@@ -49,6 +50,10 @@ class FlatAdamBucket:
     (fused_optim/clipping.py) then reaches the device as a kernel scalar, not as a copy (a
     host-to-device copy from pageable memory waits for the device)."""
 
+    quick_norm_min = npu_ops.QUICK_MIN
+    """Below it a :meth:`quick_grad_norm`'s squares may have underflowed (the caller then
+    recomputes with the range-safe ``l2norm``)."""
+
     @torch.no_grad()
     def __init__(self, op: str, lists, chunk_size: int, device_op: DeviceOp, *,
                  repoint: bool = True):
@@ -67,7 +72,7 @@ class FlatAdamBucket:
         self.param_dtype = params[0].dtype if params else torch.float32
         self.work_dtype = torch.float32 if self.has_master else self.param_dtype
         self.math_dtype = reference.math_dtype(self.work_dtype)
-        self._grad_dtypes = registry.grad_dtypes(self.param_dtype)
+        self._grad_dtypes = schema.grad_dtypes(self.param_dtype)
         self.shapes = [p.shape for p in params]
         self._grads_check = registry.GradsCheck(self.shapes, self.device, self._grad_dtypes)
         # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)

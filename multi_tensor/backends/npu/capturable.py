@@ -35,6 +35,8 @@ class CapturableFlatAdamBucket(FlatAdamBucket):
     not sync-free.
     """
 
+    device_steps = True
+
     device_step_dtype = torch.int64
     """The engine's device step counter: the operator's int64 step tensor (the AI Core has no
     fp64)."""

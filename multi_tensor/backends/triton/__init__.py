@@ -36,7 +36,8 @@ from typing import Optional
 
 from ... import schema
 from .. import reference
-from ..registry import Backend, PreparedOp, register_backend
+from ..contract import Backend
+from ..registry import PreparedOp, register_backend
 
 TRITON_VERSION = "3.6.0"  # what tools/bootstrap.sh --test installs and the tests were run with
 INSTALL_HINT = f"pip install triton=={TRITON_VERSION}"

@@ -14,8 +14,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ... import rules, tensor_facts
-from .. import registry
+from ... import rules, schema, tensor_facts
+from ..contract import Bucket
 from .kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BLOCK, COMPILE_OPTIONS,
                              DTYPE_CODE, F32, F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
                              _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
@@ -136,7 +136,7 @@ class _Staged:
         self.written = written
 
 
-class AdamBucket:
+class AdamBucket(Bucket):
     """One Adam-family op bound to a bucket's state lists (``prepare``'s result).
 
     ``bind(grads)`` checks the grads cheaply (the same objects as last time, compared by
@@ -168,6 +168,8 @@ class AdamBucket:
     the params' layout).
     """
 
+    device_steps = True  # run_device_step: the step and its scalars on the device
+
     def __init__(self, op: str, lists, chunk_size: int):
         self.op = op
         self.ema = lists.has_ema
@@ -186,7 +188,7 @@ class AdamBucket:
         emas = lists.emas or []
         self.e_dt = DTYPE_CODE[emas[0].dtype] if emas else self.s_dt
         self.math = torch.float64 if self.p_dt == F64 else torch.float32
-        self._grad_dtypes = registry.grad_dtypes(params[0].dtype if params else None)
+        self._grad_dtypes = schema.grad_dtypes(params[0].dtype if params else None)
         self._spare: List[torch.Tensor] = []
         self._grads = None
         self._g_objs = None
