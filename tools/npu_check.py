@@ -79,6 +79,7 @@ for _path in (ROOT, TOOLS):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from fused_optim import FusedEmaAdamW  # noqa: E402
 from multi_tensor.testing import npu_standin  # noqa: E402
 from npucheck.checks import (  # noqa: E402
     check_binding_builds, check_cann_drift, check_cann_step, check_capturable, check_complements,
