@@ -97,8 +97,8 @@ class CheckpointMixin:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load state, keeping every saved state tensor's dtype.
 
-        ``torch.optim.Optimizer`` casts floating state to the param's dtype; fp32 masters, moments
-        and EMA of fp16/bf16 params must stay fp32, so they are restored from the saved copy
+        ``torch.optim.Optimizer`` casts state to the param's dtype; fp32 masters, moments and EMA
+        of fp16/bf16 params must stay fp32 and master remainders int16, so they are restored from the saved copy
         (moved to the param's device) after the base class has loaded everything else.
 
         A ``torch.optim`` Adam/AdamW/RAdam state dict loads too (see :mod:`fused_optim.compat`):
@@ -114,7 +114,8 @@ class CheckpointMixin:
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             for key, value in saved_state.get(pid, {}).items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.is_floating_point():
+                if isinstance(value, torch.Tensor) and key != "step" and (
+                        value.is_floating_point() or key == "param_remainder"):
                     self.state[p][key] = value.to(device=p.device, copy=True)
                 elif key == "step" and isinstance(value, torch.Tensor):
                     self.state[p][key] = value.detach().to(device="cpu", dtype=torch.float32, copy=True)

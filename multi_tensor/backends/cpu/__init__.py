@@ -116,7 +116,12 @@ def _warn_once(reason: str) -> None:
 
 
 def _make_backend(mod) -> Backend:
+    remainders = bool(getattr(mod, "param_remainders", False))
+
     def prepare(op, lists, chunk_size, once=False):
+        if lists.has_remainder and not remainders:
+            # an extension built before master remainders: the reference runs those buckets
+            return reference.prepare(op, lists, chunk_size, once)
         return mod.AdamBucket(lists, chunk_size)
 
     def scale(chunk_size, noop_flag, tensor_lists, scale):
