@@ -104,10 +104,22 @@ class CheckpointMixin:
         A ``torch.optim`` Adam/AdamW/RAdam state dict loads too (see :mod:`fused_optim.compat`):
         moments and steps are taken over, masters and EMA start from the params. Group options a
         saved dict lacks keep their current values.
+
+        ``master_weights`` keeps the loading optimizer's value: it is how the state is stored, not
+        part of the training state. Saved fp32 masters load into a ``"remainder"`` group and
+        saved remainders into a ``True`` group (converted exactly when the group is next planned;
+        the params must then hold the saved params).
         """
         from . import compat
 
         state_dict, from_torch = compat.adapt_state_dict(self, state_dict)
+        saved_groups = state_dict.get("param_groups")
+        if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
+            state_dict = dict(state_dict)
+            state_dict["param_groups"] = [
+                {**g, "master_weights": live["master_weights"]}
+                if isinstance(g, dict) and "master_weights" in live else g
+                for g, live in zip(saved_groups, self.param_groups)]
         saved_state = state_dict["state"]
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(state_dict)
