@@ -185,6 +185,9 @@ def _run(case, master, grad_dtype, ema, adamw, skips, chunk, steps=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(BF16)) for s in SHAPES]
     grads = [[torch.randn(s, generator=gen).to(grad_dtype) for s in SHAPES] for _ in range(steps)]
+    for p in params:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None  # grads of another dtype than the param's
     kw = dict(lr=3e-3, weight_decay=0.05, adam_w_mode=adamw, master_weights=master,
               chunk_size=chunk)
     opt = (FusedEmaAdamW(params, ema_decay=0.9, **kw) if ema
