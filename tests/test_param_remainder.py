@@ -152,7 +152,8 @@ def _native_isas():
     return found
 
 
-BACKEND_CASES = ["reference"] + [f"native_cpu:{isa}" for isa, _ in _native_isas()]
+BACKEND_CASES = (["reference"] + [f"native_cpu:{isa}" for isa, _ in _native_isas()]
+                 + ["npu_standin"])
 
 
 class _backend:
@@ -164,6 +165,11 @@ class _backend:
     def __enter__(self):
         name, _, isa = self.case.partition(":")
         self.saved = None
+        self.standin = None
+        if name == "npu_standin":  # the NPU backend's flat buckets on CPU tensors
+            from multi_tensor.testing import npu_standin
+            self.standin = npu_standin.standin_backend()
+            self.standin.__enter__()
         if isa:
             cpu = importlib.import_module("multi_tensor.backends.cpu")
             mod = dict(_native_isas())[isa]
@@ -174,6 +180,8 @@ class _backend:
 
     def __exit__(self, *exc):
         self.forced.__exit__(*exc)
+        if self.standin is not None:
+            self.standin.__exit__(*exc)
         if self.saved is not None:
             registry.register_backend(self.saved)
 
