@@ -11,7 +11,8 @@ fp32 workloads (W1, W2, S)
                  only when ``import deepspeed`` works and its CPU op builds
 bf16 params + fp32 masters (W3, S3): ours is FusedEmaAdamW(master_weights=True) on the bf16
 params, ours_remainder the same masters held as int16 remainders (master_weights="remainder":
-34 B/element moved instead of 36, 14 B/param of optimizer state instead of 16); the others are the composed mixed-precision recipe: _foreach_copy_ the bf16 grads into
+34 B/element moved instead of 36, 14 B/param of optimizer state instead of 16); the others
+are the composed mixed-precision recipe: _foreach_copy_ the bf16 grads into
 fp32 master grads, the optimizer above on the masters, lerp the EMA from the masters,
 _foreach_copy_ the masters back into the bf16 params.
   mp_fused_ema, mp_foreach_ema, mp_npu_loop, mp_deepspeed_ema
