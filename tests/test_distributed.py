@@ -115,6 +115,9 @@ def _assert_native(opt):
         assert isinstance(b.prepared, native_cpu.loaded_module.AdamBucket), type(b.prepared)
 
 
+BF16_PARAMS = ("bf16_masters", "bf16_remainder")
+
+
 def _sharded(seed, precision):
     """(FSDP2 model, plain model with the same initial weights) for a precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -123,7 +126,7 @@ def _sharded(seed, precision):
     plain = Net()
     model = Net()
     model.load_state_dict(plain.state_dict())
-    if precision == "bf16_masters":
+    if precision in BF16_PARAMS:
         plain, model = plain.to(torch.bfloat16), model.to(torch.bfloat16)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "mixed"
           else MixedPrecisionPolicy())
@@ -188,8 +191,10 @@ def _scenario_ddp(rank, _):
             _equal(eager_opt.state[p][key], compiled_opt.state[q][key], f"compiled step: {name} {key}")
 
 
-# per-scenario optimizer options beside OPT: an EMA kept in bf16 and updated every other step
-EXTRA_OPTIONS = {"fp32_bf16_ema_every_2": dict(ema_update_every=2, ema_dtype=torch.bfloat16)}
+# per-scenario optimizer options beside OPT: an EMA kept in bf16 and updated every other step;
+# the fp32 masters of bf16 params held as int16 remainders
+EXTRA_OPTIONS = {"fp32_bf16_ema_every_2": dict(ema_update_every=2, ema_dtype=torch.bfloat16),
+                 "bf16_remainder": dict(master_weights="remainder")}
 
 
 def _scenario_fsdp(rank, precision):
@@ -197,7 +202,7 @@ def _scenario_fsdp(rank, precision):
     from torch.distributed.tensor import DTensor
 
     model, plain = _sharded(0, precision)
-    dtype = torch.bfloat16 if precision == "bf16_masters" else torch.float32
+    dtype = torch.bfloat16 if precision in BF16_PARAMS else torch.float32
     options = dict(OPT, **EXTRA_OPTIONS.get(precision, {}))
     opt = FusedEmaAdamW(model.parameters(), **options)
     ref = FusedEmaAdamW(plain.parameters(), **options)
@@ -259,7 +264,7 @@ def _scenario_fsdp(rank, precision):
 
 
 def _scenario_fsdp_all(rank, _):
-    for precision in ("fp32", "mixed", "bf16_masters", "fp32_bf16_ema_every_2"):
+    for precision in ("fp32", "mixed", "bf16_masters", "fp32_bf16_ema_every_2", "bf16_remainder"):
         _scenario_fsdp(rank, precision)
     _scenario_clip(rank, None)
 
