@@ -224,6 +224,9 @@ def _scenario_fsdp(rank, precision):
                 mine = opt.state[q][key]
                 if key != "step":
                     assert isinstance(mine, DTensor) and mine.placements == q.placements, key
+                if key == "param_remainder":  # gloo and NCCL gather no int16: compared widened
+                    assert mine.dtype == value.dtype == torch.int16
+                    mine, value = mine.to(torch.int32), value.to(torch.int32)
                 _equal(mine, value, f"{precision} step {step} {name} {key}")
     if rank == 1:  # the empty shard really is empty
         assert named["row"].to_local().numel() == 0
