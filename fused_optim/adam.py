@@ -5,7 +5,7 @@ No EMA is kept, so neither the memory nor the traffic of one: one multi-tensor c
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from multi_tensor import multi_tensor_applier
 
@@ -45,6 +45,9 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
         master_weights: fp16/bf16 params keep an fp32 ``master_param``, moments are fp32 and
             the param receives the master rounded once per step. ``False`` (apex's default):
             state in the param's dtype, math in fp32.
+            ``"remainder"`` (bf16 params only): the same fp32 masters, bit for bit, held
+            in half the memory as int16 ``param_remainder`` state beside the params (the param is
+            the master rounded to nearest, ties away from zero; see the README).
         maximize: maximize the objective.
         differentiable: not supported: ``True`` raises ``NotImplementedError``.
         capturable: ``True``: sync-free, CUDA-graph-capturable steps (as ``FusedEmaAdamW``'s).
@@ -61,7 +64,7 @@ class FusedAdam(AdamStateMixin, FusedOptimizerBase):
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
-                 set_grad_none: bool = True, *, master_weights: bool = False,
+                 set_grad_none: bool = True, *, master_weights: Union[bool, str] = False,
                  maximize: bool = False, capturable: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  differentiable: bool = False,
@@ -98,6 +101,9 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
         foreach, fused: accepted and ignored (the update is always one fused call per bucket).
         master_weights: fp16/bf16 params keep an fp32 ``master_param`` (default ``True``);
             ``False``: state in the param's dtype, as torch keeps it.
+            ``"remainder"`` (bf16 params only): the same fp32 masters, bit for bit, held
+            in half the memory as int16 ``param_remainder`` state beside the params (the param is
+            the master rounded to nearest, ties away from zero; see the README).
         fused_unscale, max_grad_norm, chunk_size: the options every fused optimizer takes (the
             unscale in the kernel, global-norm clipping folded into it, the unit of parallel
             work); see :class:`fused_optim.base.FusedOptimizerBase`.
@@ -113,7 +119,7 @@ class FusedAdamW(AdamStateMixin, FusedOptimizerBase):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, master_weights: bool = True,
+                 fused: Optional[bool] = None, master_weights: Union[bool, str] = True,
                  fused_unscale: bool = True, max_grad_norm: Optional[float] = None,
                  chunk_size: int = multi_tensor_applier.chunk_size):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,

@@ -11,8 +11,14 @@ It implements the base class's state hooks for the op list forms
 * state per param, named as ``torch.optim`` names it: ``step`` (float32 scalar tensor),
   ``exp_avg``, ``exp_avg_sq``; ``ema`` when the group keeps an EMA (``group["ema_decay"]`` is not
   None), initialised to the weights; ``master_param``, an fp32 copy, for fp16/bf16 params when
-  ``group["master_weights"]``. Moments and EMA are fp32 with a master, else in the param's dtype
-  (complex for complex params, which the base class runs as real views);
+  ``group["master_weights"] is True``; ``param_remainder`` (int16, the low halves of the fp32
+  masters: :mod:`multi_tensor.rules`' remainder encoding) for bf16 params when
+  ``group["master_weights"] == "remainder"``. Moments and EMA are fp32 with a master or a
+  remainder, else in the param's dtype (complex for complex params, which the base class runs as
+  real views). A loaded ``master_param`` in a remainder group becomes a remainder when the group
+  is next planned (the param is then the master rounded to nearest, ties away from zero: it
+  changes only at exact ties), and a loaded ``param_remainder`` in a ``master_weights=True``
+  group becomes the exact master joined from the param: load the model's weights before that;
 * the EMA's storage dtype, ``group["ema_dtype"]`` (:func:`ema_storage_dtype`): ``torch.float32``
   (the default) or ``None`` keep it in the state dtype above; ``torch.bfloat16`` keeps it in bf16
   whatever the param dtype (fp32 params, fp16/bf16 params with fp32 masters or without masters;
@@ -31,6 +37,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from multi_tensor import rules, schema, validation
+from multi_tensor.bucketing import is_dtensor, local_shard
 
 from . import ema_schedules
 from .base import LOW_PRECISION
@@ -52,6 +59,41 @@ def check_ema_dtype(owner: str, ema_dtype) -> None:
         raise ValueError(f"{owner}: ema_dtype must be torch.float32 (the EMA in the state dtype; "
                          f"None means the same) or torch.bfloat16 (the EMA stored in bf16, "
                          f"rounded to nearest even), got {ema_dtype!r}")
+
+def check_master_weights(owner: str, value, params=()) -> None:
+    """``master_weights``: ``True``, ``False`` or ``"remainder"`` (bf16 params only)."""
+    if value is True or value is False:
+        return
+    if not (isinstance(value, str) and value == rules.MASTER_REMAINDER):
+        raise ValueError(f"{owner}: master_weights must be True (fp32 masters), False (none) or "
+                         f"'remainder' (the fp32 masters of bf16 params held as int16 remainders "
+                         f"beside the params), got {value!r}")
+    for i, p in enumerate(params):
+        if isinstance(p, torch.Tensor) and p.dtype != torch.bfloat16:
+            raise ValueError(
+                f"{owner}: master_weights='remainder' is for bf16 params (the param is the fp32 "
+                f"master's high half), but params[{i}] of the group is {p.dtype}: put it in a "
+                f"group with master_weights=True or False")
+
+
+def _split_into(master: torch.Tensor, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Write the param half of ``master`` (fp32) into ``p`` and return its int16 remainder,
+    shaped (and sharded) like ``like``; works on the local shards of DTensors."""
+    remainder = torch.zeros_like(like, dtype=torch.int16, memory_format=torch.preserve_format)
+    high, low = rules.split_master(local_shard(master).detach().to(torch.float32))
+    with torch.no_grad():
+        local_shard(p).copy_(high)
+        local_shard(remainder).copy_(low)
+    return remainder
+
+
+def _joined(p: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 masters held as ``p`` and ``remainder`` (a DTensor for DTensor params)."""
+    if not is_dtensor(p):
+        return rules.join_master(p.detach(), remainder)
+    master = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    local_shard(master).copy_(rules.join_master(local_shard(p).detach(), local_shard(remainder)))
+    return master
 
 # torch.optim flags the fused optimizers accept but cannot honour when True.
 UNSUPPORTED_FLAGS = {
@@ -107,7 +149,11 @@ class AdamStateMixin:
 
     @staticmethod
     def _uses_master(p: torch.Tensor, group: Dict[str, Any]) -> bool:
-        return bool(group.get("master_weights", False)) and p.dtype in LOW_PRECISION
+        return group.get("master_weights", False) is True and p.dtype in LOW_PRECISION
+
+    @staticmethod
+    def _uses_remainder(p: torch.Tensor, group: Dict[str, Any]) -> bool:
+        return group.get("master_weights") == rules.MASTER_REMAINDER and p.dtype == torch.bfloat16
 
     def _check_group(self, group: Dict[str, Any]) -> None:
         name = type(self).__name__
@@ -126,6 +172,7 @@ class AdamStateMixin:
         if self._has_ema(group):  # the EMA schedule options (fused_optim.ema_schedules)
             ema_schedules.check_group(name, group)
         check_ema_dtype(name, group.get("ema_dtype"))
+        check_master_weights(name, group.get("master_weights", False), group.get("params", ()))
         if group.get("ema_dtype") == schema.REDUCED_EMA_DTYPE:
             for i, p in enumerate(group.get("params", ())):
                 if isinstance(p, torch.Tensor) and p.dtype not in BF16_EMA_PARAM_DTYPES:
@@ -136,7 +183,8 @@ class AdamStateMixin:
                         f"group with ema_dtype=torch.float32")
 
     def _plan_signature(self, group: Dict[str, Any]) -> Any:
-        return (self._has_ema(group), bool(group.get("master_weights", False)),
+        master = group.get("master_weights", False)
+        return (self._has_ema(group), master if isinstance(master, str) else bool(master),
                 ema_schedules.update_every(group), group.get("ema_dtype"),
                 bool(group.get("capturable", False)))
 
@@ -197,18 +245,31 @@ class AdamStateMixin:
         if p.is_meta:
             self._refuse_meta(p, state)
         use_master = self._uses_master(p, group)
-        state_dtype = torch.float32 if use_master else p.dtype
+        use_remainder = self._uses_remainder(p, group)
+        state_dtype = torch.float32 if use_master or use_remainder else p.dtype
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         if use_master and state.get("master_param") is None:
-            state["master_param"] = p.detach().to(dtype=torch.float32, copy=True)
+            remainder = state.pop("param_remainder", None)  # a remainder group's state dict
+            state["master_param"] = (p.detach().to(dtype=torch.float32, copy=True)
+                                     if remainder is None else _joined(p, remainder))
+        if use_remainder and state.get("param_remainder") is None:
+            master = state.pop("master_param", None)  # a master_weights=True state dict
+            # from a master, the param becomes its high half (rounded to nearest, ties away
+            # from zero): it changes only where the master is an exact tie, and writing it
+            # again after a refused plan gives the same bits
+            state["param_remainder"] = (
+                torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+                if master is None else _split_into(master, p, p))
         keys = ("exp_avg", "exp_avg_sq", "ema") if self._has_ema(group) else ("exp_avg", "exp_avg_sq")
         for key in keys:
             value = state.get(key)
             dtype = ema_storage_dtype(group, state_dtype) if key == "ema" else state_dtype
             if value is None:
                 if key == "ema":
-                    weights = state["master_param"] if use_master else p.detach()
+                    weights = (state["master_param"] if use_master
+                               else _joined(p, state["param_remainder"]) if use_remainder
+                               else p.detach())
                     state[key] = weights.to(dtype=dtype, copy=True)
                 else:
                     state[key] = torch.zeros_like(p, dtype=dtype,
@@ -236,4 +297,6 @@ class AdamStateMixin:
             exp_avg_sqs=[s["exp_avg_sq"] for s in states],
             emas=[s["ema"] for s in states] if self._has_ema(group) else None,
             masters=([s["master_param"] for s in states]
-                     if self._uses_master(params[0], group) else None))
+                     if self._uses_master(params[0], group) else None),
+            remainders=([s["param_remainder"] for s in states]
+                        if self._uses_remainder(params[0], group) else None))

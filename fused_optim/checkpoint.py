@@ -97,24 +97,37 @@ class CheckpointMixin:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load state, keeping every saved state tensor's dtype.
 
-        ``torch.optim.Optimizer`` casts floating state to the param's dtype; fp32 masters, moments
-        and EMA of fp16/bf16 params must stay fp32, so they are restored from the saved copy
+        ``torch.optim.Optimizer`` casts state to the param's dtype; fp32 masters, moments and EMA
+        of fp16/bf16 params must stay fp32 and master remainders int16, so they are restored from the saved copy
         (moved to the param's device) after the base class has loaded everything else.
 
         A ``torch.optim`` Adam/AdamW/RAdam state dict loads too (see :mod:`fused_optim.compat`):
         moments and steps are taken over, masters and EMA start from the params. Group options a
         saved dict lacks keep their current values.
+
+        ``master_weights`` keeps the loading optimizer's value: it is how the state is stored, not
+        part of the training state. Saved fp32 masters load into a ``"remainder"`` group and
+        saved remainders into a ``True`` group (converted exactly when the group is next planned;
+        the params must then hold the saved params).
         """
         from . import compat
 
         state_dict, from_torch = compat.adapt_state_dict(self, state_dict)
+        saved_groups = state_dict.get("param_groups")
+        if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
+            state_dict = dict(state_dict)
+            state_dict["param_groups"] = [
+                {**g, "master_weights": live["master_weights"]}
+                if isinstance(g, dict) and "master_weights" in live else g
+                for g, live in zip(saved_groups, self.param_groups)]
         saved_state = state_dict["state"]
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             for key, value in saved_state.get(pid, {}).items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.is_floating_point():
+                if isinstance(value, torch.Tensor) and key != "step" and (
+                        value.is_floating_point() or key == "param_remainder"):
                     self.state[p][key] = value.to(device=p.device, copy=True)
                 elif key == "step" and isinstance(value, torch.Tensor):
                     self.state[p][key] = value.detach().to(device="cpu", dtype=torch.float32, copy=True)

@@ -29,7 +29,7 @@ fused -> torch
     FusedRAdam) loads and continues like the fused one: torch's param-group keys (torch's own
     defaults for its flags), per-param ``step`` (its own tensor, as torch increments it in
     place), ``exp_avg`` / ``exp_avg_sq`` cast to the param dtype (how torch keeps them). ``ema``
-    and ``master_param`` are dropped: for fp16/bf16 params torch continues from the rounded
+    and ``master_param`` (or ``param_remainder``) are dropped: for fp16/bf16 params torch continues from the rounded
     params; export the EMA with ``ema_state_dict(module)``. ``bias_correction=False`` raises
     (torch always corrects).
 """
@@ -142,7 +142,8 @@ def complete_loaded_state(opt) -> None:
             if not state:
                 continue
             opt._init_state(p, group, state)
-            state_dtype = torch.float32 if state.get("master_param") is not None else p.dtype
+            state_dtype = (torch.float32 if state.get("master_param") is not None
+                           or state.get("param_remainder") is not None else p.dtype)
             for key in MOMENT_KEYS:
                 value = state.get(key)
                 if isinstance(value, torch.Tensor) and value.dtype != state_dtype:

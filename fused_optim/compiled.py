@@ -54,6 +54,7 @@ UNSUPPORTED = {
     "op": "an optimizer whose op is not of the Adam family",
     "capturable": "capturable=True (the eager step keeps steps and scalars on the device; the "
                   "traced op reads them on the host)",
+    "remainder": "master_weights='remainder' (the traced op's lists have no remainders)",
 }
 
 
@@ -157,6 +158,8 @@ def _group_unsupported(opt, group: Dict[str, Any], present: List[torch.Tensor]) 
         return "op"
     if group.get("capturable"):
         return "capturable"
+    if group.get("master_weights") == "remainder":
+        return "remainder"
     if opt._has_ema(group) and callable(group.get("ema_schedule")):
         return "ema_schedule"
     if any(isinstance(b, torch.Tensor) for b in group["betas"]):

@@ -23,7 +23,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from multi_tensor.bucketing import is_dtensor
+from multi_tensor import rules
+from multi_tensor.bucketing import is_dtensor, local_shard
 
 from . import ema_schedules
 from .ema_buffers import BUFFERS_KEY  # noqa: F401  (re-exported: fused_optim.ema.BUFFERS_KEY)
@@ -119,6 +120,18 @@ class EmaAccessMixin(EmaBufferMixin):
         state = self.state.get(p)
         return state.get("master_param") if state else None
 
+    def _remainder_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The int16 master remainder of a bf16 param (``master_weights="remainder"``)."""
+        state = self.state.get(p)
+        return state.get("param_remainder") if state else None
+
+    def _set_remainder_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Make ``value`` (fp32) the master of ``p``, which keeps a remainder: ``p`` becomes its
+        high half (nearest, ties away from zero) and the remainder its low half."""
+        high, low = rules.split_master(local_shard(value).detach().to(torch.float32))
+        local_shard(p).copy_(high)
+        local_shard(self._remainder_of(p)).copy_(low)
+
     def _check_not_swapped(self) -> None:
         if self._ema_swapped:
             raise RuntimeError(
@@ -159,7 +172,8 @@ class EmaAccessMixin(EmaBufferMixin):
         """Exact copies of ``targets`` (and, if asked, of the fp32 masters of those that are ours)."""
         saved = []
         for t in targets:
-            master = self._master_of(t) if with_masters else None
+            master = ((self._master_of(t) if self._remainder_of(t) is None
+                       else self._remainder_of(t)) if with_masters else None)
             saved.append((t.detach().clone(),
                           None if master is None else master.detach().clone()))
         return saved
@@ -168,6 +182,14 @@ class EmaAccessMixin(EmaBufferMixin):
         """Put a :meth:`_snapshot` back: every target (and master, if one was saved) exactly."""
         for t, (value, master_value) in zip(targets, saved):
             t.copy_(value)
+            remainder = self._remainder_of(t)
+            if remainder is not None:
+                # a saved remainder is restored; otherwise the master is the restored param
+                if master_value is not None:
+                    remainder.copy_(master_value)
+                else:
+                    remainder.zero_()
+                continue
             master = self._master_of(t)
             if master is not None:
                 # a master saved with it is restored; otherwise it follows the restored value
@@ -276,6 +298,8 @@ class EmaAccessMixin(EmaBufferMixin):
             master = self._master_of(p)
             if target is p and master is not None and ema is not p:
                 master.copy_(ema)
+            if target is p and self._remainder_of(p) is not None and ema is not p:
+                self._set_remainder_master(p, ema)
         for key, buf in buffers:
             buf.copy_(self._ema_buffer_avg[key])
 

@@ -1,7 +1,7 @@
 """FusedEmaAdamW: AdamW and an EMA of the weights in one pass over memory."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -68,6 +68,9 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         bias_correction: divide the moments by ``1 - beta^t``.
         master_weights: fp16/bf16 params keep an fp32 ``master_param``; moments and EMA are fp32;
             the param is the master rounded once per step. ``False``: state in the param dtype.
+            ``"remainder"`` (bf16 params only): the same fp32 masters, bit for bit, held
+            in half the memory as int16 ``param_remainder`` state beside the params (the param is
+            the master rounded to nearest, ties away from zero; see the README).
         maximize: maximize the objective instead of minimizing.
         amsgrad, differentiable: accepted for compatibility with ``torch.optim.AdamW``; ``True``
             raises ``NotImplementedError`` naming the feature.
@@ -92,7 +95,7 @@ class FusedEmaAdamW(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, ema_decay: float = 0.9999, *,
                  adam_w_mode: bool = True, bias_correction: bool = True,
-                 master_weights: bool = True, maximize: bool = False,
+                 master_weights: Union[bool, str] = True, maximize: bool = False,
                  ema_schedule: ema_schedules.Schedule = None, ema_start_step: int = 0,
                  ema_inv_gamma: float = 1.0, ema_power: float = 2.0 / 3.0,
                  ema_min_decay: float = 0.0, ema_update_every: int = 1,

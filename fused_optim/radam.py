@@ -1,7 +1,7 @@
 """FusedRAdam: torch.optim.RAdam on the engine's "radam" op, with an optional fused EMA."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -42,6 +42,9 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
         master_weights: fp16/bf16 params keep an fp32 ``master_param``; moments and EMA are fp32
             and the param receives the master rounded once per step. ``False``: state in the
             param's dtype.
+            ``"remainder"`` (bf16 params only): the same fp32 masters, bit for bit, held
+            in half the memory as int16 ``param_remainder`` state beside the params (the param is
+            the master rounded to nearest, ties away from zero; see the README).
         foreach: accepted and ignored. differentiable: ``True`` raises ``NotImplementedError``.
         capturable: ``True``: sync-free, CUDA-graph-capturable steps (as ``FusedEmaAdamW``'s).
         fused_unscale, max_grad_norm, chunk_size: the options every fused optimizer takes (the
@@ -58,7 +61,7 @@ class FusedRAdam(EmaAccessMixin, AdamStateMixin, FusedOptimizerBase):
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0, decoupled_weight_decay: bool = False,
                  *, ema_decay: Optional[float] = None,
-                 ema_dtype: Optional[torch.dtype] = torch.float32, master_weights: bool = True,
+                 ema_dtype: Optional[torch.dtype] = torch.float32, master_weights: Union[bool, str] = True,
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
                  fused_unscale: bool = True, max_grad_norm: Optional[float] = None,

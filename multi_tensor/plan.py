@@ -88,7 +88,8 @@ def _cached(backend, spec: schema.OpSpec, lists: schema.AdamLists, chunk_size: i
     compared by value). The entry holds its tensors, so no other object can take those
     ids while it is cached."""
     params = lists.params
-    key = (backend.name, spec.name, chunk_size, once, lists.has_master, len(params),
+    key = (backend.name, spec.name, chunk_size, once, lists.has_master, lists.has_remainder,
+           len(params),
            id(params[0]) if params else None, id(params[-1]) if params else None)
     with _cache_lock:
         entry = _cache.get(key)

@@ -45,6 +45,26 @@ without its cancellation near ``beta2 = 1`` (still only ``+ - * /``). Its decoup
 arithmetic).
 
 fp64 buckets follow the same order in fp64 with correctly rounded fp64 sqrt and division.
+
+The remainder encoding (``master_weights="remainder"``, bf16 params only). The fp32 master ``x``
+is not stored: it is held as the bf16 param ``p`` and an int16 remainder ``r`` (the low 16 bits
+of ``x``), and the update above runs on ``w = decode(p, r)`` and stores ``encode(w')``. On the
+bits, with ``hi``/``lo`` the high/low 16 bits of ``x`` and arithmetic modulo 2**16 on ``p``::
+
+    encode(x) = (p, r):  p = hi + (lo >= 0x8000),  r = lo (as int16: r < 0 exactly when lo >= 0x8000)
+    decode(p, r) = x:    hi = p - (r < 0),         lo = r
+
+So ``p`` is ``x`` rounded to nearest bf16, an exact tie (``lo == 0x8000``) going to the neighbour
+away from zero (adding 1 to a bf16 bit pattern increases its magnitude: TransformerEngine's
+``store_param_remainders`` rule). It equals the round-to-nearest-even param of
+``master_weights=True`` except at exact ties, where it is one bf16 ulp further from zero.
+``decode`` inverts ``encode`` on all 2**32 bit patterns (``encode`` is a bijection of 32-bit
+words: ``hi`` is recovered from ``p`` and the sign of ``r``), so the masters, moments and EMA are
+bit for bit those of ``master_weights=True`` at every step; tests/test_param_remainder.py checks
+all 2**32 patterns. Patterns beyond the finite range round-trip too, but the param of a NaN
+master whose high half is ``0x7FFF``/``0xFFFF`` with ``lo >= 0x8000`` is ``-0``/``+0`` (the
+carry wraps); arithmetic NaNs (low half 0) keep a NaN param. The params of the largest finite
+magnitudes (``hi == 0x7F7F`` with ``lo >= 0x8000``) are inf, as round to nearest gives.
 """
 from __future__ import annotations
 
@@ -231,6 +251,33 @@ def _step_scalars(h: AdamHyper, step: int) -> StepScalars:
         ema_w=1.0 - h.ema_decay if ema else 0.0,
         l2=has_wd and not h.decoupled, decoupled=has_wd and h.decoupled,
         use_denom=use_denom, maximize=bool(h.maximize), ema=ema)
+
+
+# --- the remainder encoding (module docstring) -----------------------------------------------
+MASTER_REMAINDER = "remainder"  # master_weights="remainder": bf16 params + int16 remainders
+
+
+def split_master(x: torch.Tensor):
+    """``(p, r)``: the bf16 params and int16 remainders that hold the fp32 masters ``x``."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"split_master: masters must be float32, got {x.dtype}")
+    bits = x.contiguous().view(torch.int32)
+    lo = bits & 0xFFFF
+    hi = (bits >> 16) + (lo >> 15)                       # arithmetic shift: the low 16 bits count
+    p = (((hi & 0xFFFF) ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)
+    r = ((lo ^ 0x8000) - 0x8000).to(torch.int16)
+    return p.view(x.shape), r.view(x.shape)
+
+
+def join_master(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The fp32 masters held as bf16 params ``p`` and int16 remainders ``r``."""
+    if p.dtype != torch.bfloat16 or r.dtype != torch.int16:
+        raise TypeError(f"join_master: expected bf16 params and int16 remainders, got {p.dtype} "
+                        f"and {r.dtype}")
+    r32 = r.to(torch.int32)
+    hi = (p.contiguous().view(torch.int16).to(torch.int32) - (r32 < 0).to(torch.int32)) & 0xFFFF
+    bits = (((hi ^ 0x8000) - 0x8000) << 16) | (r32 & 0xFFFF)  # hi as signed: no int32 overflow
+    return bits.view(torch.float32).view(p.shape)
 
 
 # --- the packed layouts -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The op table: every multi-tensor op's lists and dtype rules, declared once.
 
 An op is an :class:`OpSpec`. The Adam family's lists travel by name, as an :class:`AdamLists`
-(grads, params, exp_avgs, exp_avg_sqs, emas or None, masters or None), from the front ends to
+(grads, params, exp_avgs, exp_avg_sqs, emas or None, masters or None, remainders or None), from the front ends to
 every backend and into the C++: nothing infers a list's role from the number of lists (the apex
 positional signatures are mapped to names once, in :mod:`multi_tensor.ops`). The front ends
 (:mod:`multi_tensor.ops`, :mod:`multi_tensor.plan`, the optimizers) check a call's lists against
@@ -10,11 +10,14 @@ once, before any tensor is modified, and the backends trust what passed.
 
 Adam-family ops (``rule`` set) update ``params`` from ``grads`` and keep ``exp_avgs`` and
 ``exp_avg_sqs``; ``emas`` is the EMA of the weights (present exactly when the op keeps one);
-``masters`` are fp32 master weights of fp16/bf16/fp32 params (optional). Their dtype rules:
+``masters`` are fp32 master weights of fp16/bf16/fp32 params (optional); ``remainders`` hold the
+fp32 masters of bf16 params in half the memory (int16, the low halves: the encoding of
+:mod:`multi_tensor.rules`; optional, never with ``masters``). Their dtype rules:
 
 * params: fp16, bf16, fp32 or fp64; all of one list share one dtype;
 * without masters, every state list has the params' dtype; with masters (fp16/bf16/fp32
-  params, not fp64) state and masters are fp32;
+  params, not fp64) state and masters are fp32; with remainders (bf16 params only) the
+  remainders are int16 and the other state lists fp32, as with masters;
 * the one exception: ``emas`` may be bf16 whatever the other state lists are, when the math is
   fp32 (params fp16/bf16/fp32; not fp64, whose buckets compute in fp64). The EMA is then loaded
   exactly into fp32, updated in fp32 and rounded once to bf16 (round to nearest even) on store;
@@ -37,25 +40,29 @@ class AdamLists:
     """One Adam-family bucket's tensor lists, by name (read by name only: it is not a sequence).
 
     ``emas`` is None for ops without an EMA (or a step that skips it: :meth:`without_ema`),
-    ``masters`` None without fp32 master weights. ``grads`` is None in the lists a bucket is
+    ``masters`` None without fp32 master weights, ``remainders`` None unless the fp32 masters
+    are held as bf16 params plus int16 remainders (:func:`multi_tensor.rules.join_master`: the
+    update runs on the joined masters and stores them split). ``grads`` is None in the lists a bucket is
     prepared with (:meth:`state`): grads are bound per step. Row ``i`` of every list belongs to
     param ``i``. The weights the update runs on are :attr:`weights`: the masters when present,
     else the params. The C++ and Triton backends read the same attributes.
     """
 
-    FIELDS = ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters")
+    FIELDS = ("grads", "params", "exp_avgs", "exp_avg_sqs", "emas", "masters", "remainders")
     __slots__ = FIELDS
 
     def __init__(self, grads: Optional[Sequence[torch.Tensor]], params: Sequence[torch.Tensor],
                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
                  emas: Optional[Sequence[torch.Tensor]] = None,
-                 masters: Optional[Sequence[torch.Tensor]] = None):
+                 masters: Optional[Sequence[torch.Tensor]] = None,
+                 remainders: Optional[Sequence[torch.Tensor]] = None):
         self.grads = grads
         self.params = params
         self.exp_avgs = exp_avgs
         self.exp_avg_sqs = exp_avg_sqs
         self.emas = emas
         self.masters = masters
+        self.remainders = remainders
 
     @property
     def has_ema(self) -> bool:
@@ -64,6 +71,15 @@ class AdamLists:
     @property
     def has_master(self) -> bool:
         return self.masters is not None
+
+    @property
+    def has_remainder(self) -> bool:
+        return self.remainders is not None
+
+    @property
+    def fp32_state(self) -> bool:
+        """Moments (and a same-dtype EMA) are fp32 whatever the params: masters or remainders."""
+        return self.masters is not None or self.remainders is not None
 
     @property
     def weights(self) -> Sequence[torch.Tensor]:
@@ -166,7 +182,7 @@ def check_adam_lists(spec: OpSpec, lists: AdamLists) -> None:
     validation.check_list_of_lists(op, tensor_lists)
     n = validation.check_rows(op, tensor_lists, names, names.index("params"))
     if n:
-        _check_adam_dtypes(op, dict(present), lists.has_master)
+        _check_adam_dtypes(op, dict(present), lists.has_master, lists.has_remainder)
         validation.check_no_overlap(op, dict(present))
 
 
@@ -190,14 +206,23 @@ def grad_dtypes(param_dtype: Optional[torch.dtype]) -> tuple:
     return validation.GRAD_DTYPES
 
 
-def _check_adam_dtypes(op: str, lists: Dict[str, Sequence[torch.Tensor]], has_master: bool) -> None:
+def _check_adam_dtypes(op: str, lists: Dict[str, Sequence[torch.Tensor]], has_master: bool,
+                       has_remainder: bool = False) -> None:
     param_dtype = validation.check_list_dtype(op, "params", lists["params"],
                                               validation.PARAM_DTYPES)
+    if has_master and has_remainder:
+        raise ValueError(f"{op}: masters and remainders are two forms of the fp32 masters; pass "
+                         f"one of them")
     if has_master and param_dtype == torch.float64:
         raise TypeError(f"{op}: params are float64; fp32 master weights are for fp16/bf16/fp32 params")
-    state_dtype = torch.float32 if has_master else param_dtype
+    if has_remainder:
+        if param_dtype != torch.bfloat16:
+            raise TypeError(f"{op}: params are {param_dtype}; master remainders are for bf16 params "
+                            f"(the param is the master's high half)")
+        validation.check_list_dtype(op, "remainders", lists["remainders"], (torch.int16,))
+    state_dtype = torch.float32 if has_master or has_remainder else param_dtype
     for name, tensors in lists.items():
-        if name in ("grads", "params"):
+        if name in ("grads", "params", "remainders"):
             continue
         dtype = validation.check_list_dtype(op, name, tensors, validation.PARAM_DTYPES)
         if dtype == state_dtype:
@@ -214,6 +239,7 @@ def _check_adam_dtypes(op: str, lists: Dict[str, Sequence[torch.Tensor]], has_ma
         raise TypeError(
             f"{op}: {name} are {dtype} but must be {state_dtype} "
             + ("(optimizer state and masters are fp32 in the master-weights form)"
-               if has_master else "(the same dtype as params)"))
+               if has_master else "(optimizer state is fp32 with master remainders)"
+               if has_remainder else "(the same dtype as params)"))
     if "grads" in lists:
         validation.check_list_dtype(op, "grads", lists["grads"], grad_dtypes(param_dtype))

@@ -55,8 +55,9 @@ def check_tensor(op: str, name: str, index: int, t, ref: Optional[torch.Tensor],
             f"{op}: {name}[{index}] is a sparse tensor ({t.layout}); fused optimizers need dense "
             f"tensors (sparse gradients are not supported)"
         )
-    if not t.is_floating_point():
-        raise TypeError(f"{op}: {name}[{index}] must be a floating-point tensor, got {t.dtype}")
+    if not t.is_floating_point() and not (name == "remainders" and t.dtype == torch.int16):
+        raise TypeError(f"{op}: {name}[{index}] must be a floating-point tensor, got {t.dtype}"
+                        + (" (remainders are int16)" if name == "remainders" else ""))
     if ref is not None and t is not ref:
         if t.shape != ref.shape:
             raise ValueError(

@@ -96,6 +96,8 @@ def _full(t):
 
 
 def _equal(a, b, what):
+    if a.dtype == torch.int16 and b.dtype == torch.int16:  # gloo and NCCL gather no int16
+        a, b = a.to(torch.int32), b.to(torch.int32)
     a, b = _full(a).detach(), _full(b).detach()
     assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
     assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
@@ -115,6 +117,9 @@ def _assert_native(opt):
         assert isinstance(b.prepared, native_cpu.loaded_module.AdamBucket), type(b.prepared)
 
 
+BF16_PARAMS = ("bf16_masters", "bf16_remainder")
+
+
 def _sharded(seed, precision):
     """(FSDP2 model, plain model with the same initial weights) for a precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -123,7 +128,7 @@ def _sharded(seed, precision):
     plain = Net()
     model = Net()
     model.load_state_dict(plain.state_dict())
-    if precision == "bf16_masters":
+    if precision in BF16_PARAMS:
         plain, model = plain.to(torch.bfloat16), model.to(torch.bfloat16)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "mixed"
           else MixedPrecisionPolicy())
@@ -188,8 +193,10 @@ def _scenario_ddp(rank, _):
             _equal(eager_opt.state[p][key], compiled_opt.state[q][key], f"compiled step: {name} {key}")
 
 
-# per-scenario optimizer options beside OPT: an EMA kept in bf16 and updated every other step
-EXTRA_OPTIONS = {"fp32_bf16_ema_every_2": dict(ema_update_every=2, ema_dtype=torch.bfloat16)}
+# per-scenario optimizer options beside OPT: an EMA kept in bf16 and updated every other step;
+# the fp32 masters of bf16 params held as int16 remainders
+EXTRA_OPTIONS = {"fp32_bf16_ema_every_2": dict(ema_update_every=2, ema_dtype=torch.bfloat16),
+                 "bf16_remainder": dict(master_weights="remainder")}
 
 
 def _scenario_fsdp(rank, precision):
@@ -197,7 +204,7 @@ def _scenario_fsdp(rank, precision):
     from torch.distributed.tensor import DTensor
 
     model, plain = _sharded(0, precision)
-    dtype = torch.bfloat16 if precision == "bf16_masters" else torch.float32
+    dtype = torch.bfloat16 if precision in BF16_PARAMS else torch.float32
     options = dict(OPT, **EXTRA_OPTIONS.get(precision, {}))
     opt = FusedEmaAdamW(model.parameters(), **options)
     ref = FusedEmaAdamW(plain.parameters(), **options)
@@ -219,6 +226,9 @@ def _scenario_fsdp(rank, precision):
                 mine = opt.state[q][key]
                 if key != "step":
                     assert isinstance(mine, DTensor) and mine.placements == q.placements, key
+                if key == "param_remainder":  # gloo and NCCL gather no int16: compared widened
+                    assert mine.dtype == value.dtype == torch.int16
+                    mine, value = mine.to(torch.int32), value.to(torch.int32)
                 _equal(mine, value, f"{precision} step {step} {name} {key}")
     if rank == 1:  # the empty shard really is empty
         assert named["row"].to_local().numel() == 0
@@ -259,7 +269,7 @@ def _scenario_fsdp(rank, precision):
 
 
 def _scenario_fsdp_all(rank, _):
-    for precision in ("fp32", "mixed", "bf16_masters", "fp32_bf16_ema_every_2"):
+    for precision in ("fp32", "mixed", "bf16_masters", "fp32_bf16_ema_every_2", "bf16_remainder"):
         _scenario_fsdp(rank, precision)
     _scenario_clip(rank, None)
 
@@ -287,10 +297,15 @@ def _scenario_clip(rank, _):
     _assert_native(opt)
 
 
-def _scenario_dcp(rank, directory):
+def _scenario_dcp_remainder(rank, directory):
+    _scenario_dcp(rank, directory, "bf16_remainder")
+
+
+def _scenario_dcp(rank, directory, precision="bf16_masters"):
     """dcp.save at step 3 -> fresh model and optimizer -> dcp.load -> 3 more steps equals an
     uninterrupted 6-step run bit for bit (params, masters, moments, EMA, steps, EMA schedule);
-    DCP's state initialisation on the fresh optimizer neither steps nor moves anything."""
+    DCP's state initialisation on the fresh optimizer neither steps nor moves anything.
+    ``precision``: fp32 masters, or the masters held as int16 remainders."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict,
@@ -303,19 +318,20 @@ def _scenario_dcp(rank, directory):
         for step in steps:
             _train_step(model, opt, step, rank, dtype)
 
-    model, _ = _sharded(0, "bf16_masters")
-    opt = FusedEmaAdamW(model.parameters(), **OPT)
+    options = dict(OPT, **EXTRA_OPTIONS.get(precision, {}))
+    model, _ = _sharded(0, precision)
+    opt = FusedEmaAdamW(model.parameters(), **options)
     run(model, opt, range(6))
     uninterrupted = opt
 
-    model_a, _ = _sharded(0, "bf16_masters")
-    opt_a = FusedEmaAdamW(model_a.parameters(), **OPT)
+    model_a, _ = _sharded(0, precision)
+    opt_a = FusedEmaAdamW(model_a.parameters(), **options)
     run(model_a, opt_a, range(3))
     dcp.save({"model": get_model_state_dict(model_a),
               "optim": get_optimizer_state_dict(model_a, opt_a)}, checkpoint_id=directory)
 
-    model_b, _ = _sharded(7, "bf16_masters")  # other initial weights: all must come from the file
-    opt_b = FusedEmaAdamW(model_b.parameters(), **OPT)
+    model_b, _ = _sharded(7, precision)  # other initial weights: all must come from the file
+    opt_b = FusedEmaAdamW(model_b.parameters(), **options)
     initial = {n: _full(p).clone() for n, p in model_b.named_parameters()}
     state = {"model": get_model_state_dict(model_b),
              "optim": get_optimizer_state_dict(model_b, opt_b)}   # runs DCP's init step()
@@ -324,7 +340,10 @@ def _scenario_dcp(rank, directory):
         assert s["step"].item() == 0, (name, s["step"])
         _equal(p, initial[name], f"param after DCP init {name}")
         _equal(s["ema"], initial[name].float(), f"EMA after DCP init {name}")
-        _equal(s["master_param"], initial[name].float(), f"master after DCP init {name}")
+        if precision == "bf16_remainder":
+            assert not _full(s["param_remainder"].to(torch.int32)).any()
+        else:
+            _equal(s["master_param"], initial[name].float(), f"master after DCP init {name}")
         assert not _full(s["exp_avg"]).any() and not _full(s["exp_avg_sq"]).any()
         assert p.grad is None
     dcp.load(state, checkpoint_id=directory)
@@ -341,7 +360,7 @@ def _scenario_dcp(rank, directory):
 
 
 SCENARIOS = {"ddp": _scenario_ddp, "fsdp_all": _scenario_fsdp_all,
-             "dcp": _scenario_dcp}
+             "dcp": _scenario_dcp, "dcp_remainder": _scenario_dcp_remainder}
 
 
 # --- tests -------------------------------------------------------------------------------------
@@ -359,6 +378,11 @@ def test_fsdp2_three_precisions_match_single_process_bitwise_ema_export_and_glob
 def test_dcp_save_load_resume_is_bit_exact_and_init_does_not_step():
     with tempfile.TemporaryDirectory() as directory:
         _spawn("dcp", os.path.join(directory, "ckpt"))
+
+
+def test_dcp_resume_with_master_remainders_is_bit_exact():
+    with tempfile.TemporaryDirectory() as directory:
+        _spawn("dcp_remainder", os.path.join(directory, "ckpt"))
 
 
 # --- DCP's state initialisation, in one process -------------------------------------------------

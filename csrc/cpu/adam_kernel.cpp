@@ -7,6 +7,7 @@
 #include "adam_kernel.h"
 
 #include <atomic>
+#include <cstring>
 
 namespace multi_tensor_cpu {
 inline namespace CPU_CAPABILITY {
@@ -19,13 +20,44 @@ using multi_tensor_rules::AdamScalars;
 // MASTER: the update runs on fp32 masters and the param receives the rounded master.
 // EMA_BF16: the EMA is stored in bf16 (float math only): loaded exactly into M, rounded once to
 // nearest even on store; otherwise it is stored like m and v.
-template <typename P, typename G, typename M, bool MASTER, bool EMA, bool EMA_BF16 = false>
+// REM: bf16 params whose fp32 master is the param plus an int16 remainder (adam_rule.h's
+// join_master / split_master): the weights are joined into float on load and split on store.
+template <typename P, typename G, typename M, bool MASTER, bool EMA, bool EMA_BF16 = false,
+          bool REM = false>
 struct AdamKernel {
   using V = Vectorized<M>;
-  using S = std::conditional_t<MASTER, float, P>;  // m, v (and master) storage
+  using S = std::conditional_t<MASTER || REM, float, P>;  // m, v (and master) storage
   using E = std::conditional_t<EMA_BF16, c10::BFloat16, S>;  // ema storage
   static_assert(!EMA_BF16 || std::is_same_v<M, float>, "a bf16 EMA is for float math");
   static constexpr int64_t B = block_size<M>();
+  static_assert(!REM || (std::is_same_v<P, c10::BFloat16> && std::is_same_v<M, float>),
+                "remainders are for bf16 params");
+
+  // The masters of elements [0, n) from their params and remainders (zeros past n). The loops
+  // are plain integer lanes the compiler vectorises.
+  static inline void load_split(const P* pp, const int16_t* rp, int64_t n, V& a, V& b) {
+    alignas(64) uint32_t x[B];
+    const uint16_t* pb = reinterpret_cast<const uint16_t*>(pp);
+    if (n == B) {
+      for (int64_t k = 0; k < B; ++k) x[k] = multi_tensor_rules::join_master(pb[k], rp[k]);
+    } else {
+      for (int64_t k = 0; k < B; ++k)
+        x[k] = k < n ? multi_tensor_rules::join_master(pb[k], rp[k]) : 0u;
+    }
+    a = V::loadu(x);
+    b = V::loadu(x + V::size());
+  }
+
+  static inline void store_split(P* pp, int16_t* rp, int64_t n, const V& a, const V& b) {
+    alignas(64) uint32_t x[B];
+    alignas(64) uint16_t ph[B];
+    alignas(64) int16_t rh[B];
+    a.store(x);
+    b.store(x + V::size());
+    for (int64_t k = 0; k < B; ++k) multi_tensor_rules::split_master(x[k], ph[k], rh[k]);
+    std::memcpy(pp, ph, n * sizeof(uint16_t));
+    std::memcpy(rp, rh, n * sizeof(int16_t));
+  }
 
   static inline void block(const AdamScalars<M>& c, const Row& r, int64_t i, int64_t n) {
     const G* gp = static_cast<const G*>(r.p[kGrad]) + i;
@@ -33,10 +65,15 @@ struct AdamKernel {
     S* mp = static_cast<S*>(r.p[kExpAvg]) + i;
     S* vp = static_cast<S*>(r.p[kExpAvgSq]) + i;
     S* wp = MASTER ? static_cast<S*>(r.p[kMaster]) + i : reinterpret_cast<S*>(pp);
+    int16_t* rp = REM ? static_cast<int16_t*>(r.p[kRemainder]) + i : nullptr;
     E* sp = EMA ? static_cast<E*>(r.p[kEma]) + i : nullptr;
     V g[2], w[2], m[2], v[2], s[2];
     load_block<G, M>(gp, n, g[0], g[1]);
-    load_block<S, M>(wp, n, w[0], w[1]);
+    if constexpr (REM) {
+      load_split(pp, rp, n, w[0], w[1]);
+    } else {
+      load_block<S, M>(wp, n, w[0], w[1]);
+    }
     load_block<S, M>(mp, n, m[0], m[1]);
     load_block<S, M>(vp, n, v[0], v[1]);
     if constexpr (EMA) load_block<E, M>(sp, n, s[0], s[1]);
@@ -44,8 +81,12 @@ struct AdamKernel {
     store_block<S, M>(mp, n, m[0], m[1]);
     store_block<S, M>(vp, n, v[0], v[1]);
     if constexpr (EMA) store_block<E, M>(sp, n, s[0], s[1]);
-    if constexpr (MASTER) store_block<S, M>(wp, n, w[0], w[1]);
-    store_block<P, M>(pp, n, w[0], w[1]);
+    if constexpr (REM) {
+      store_split(pp, rp, n, w[0], w[1]);
+    } else {
+      if constexpr (MASTER) store_block<S, M>(wp, n, w[0], w[1]);
+      store_block<P, M>(pp, n, w[0], w[1]);
+    }
   }
 
   static void run(const Chunk* chunks, int64_t count, const Row* rows, const void* scalars) {
@@ -62,15 +103,15 @@ struct AdamKernel {
   }
 };
 
-template <typename P, typename M, bool MASTER, bool EMA, bool EMA_BF16>
+template <typename P, typename M, bool MASTER, bool EMA, bool EMA_BF16, bool REM = false>
 KernelFn for_grad(c10::ScalarType gt) {
   if constexpr (std::is_same_v<M, double>) {
     return &AdamKernel<double, double, double, false, EMA>::run;
   } else {
     switch (gt) {
-      case c10::kFloat: return &AdamKernel<P, float, float, MASTER, EMA, EMA_BF16>::run;
-      case c10::kHalf: return &AdamKernel<P, c10::Half, float, MASTER, EMA, EMA_BF16>::run;
-      default: return &AdamKernel<P, c10::BFloat16, float, MASTER, EMA, EMA_BF16>::run;
+      case c10::kFloat: return &AdamKernel<P, float, float, MASTER, EMA, EMA_BF16, REM>::run;
+      case c10::kHalf: return &AdamKernel<P, c10::Half, float, MASTER, EMA, EMA_BF16, REM>::run;
+      default: return &AdamKernel<P, c10::BFloat16, float, MASTER, EMA, EMA_BF16, REM>::run;
     }
   }
 }
@@ -78,7 +119,8 @@ KernelFn for_grad(c10::ScalarType gt) {
 // EMA_BF16: a bf16 EMA beside state of another dtype (a bf16 EMA of bf16 params without masters
 // is their plain path).
 template <bool EMA, bool EMA_BF16>
-KernelFn for_param(c10::ScalarType pt, c10::ScalarType gt, bool master) {
+KernelFn for_param(c10::ScalarType pt, c10::ScalarType gt, bool master, bool remainder) {
+  if (remainder) return for_grad<c10::BFloat16, float, false, EMA, EMA_BF16, true>(gt);
   switch (pt) {
     case c10::kDouble: return for_grad<double, double, false, EMA, false>(gt);
     case c10::kFloat:
@@ -156,8 +198,11 @@ AdamBucket::AdamBucket(py::handle lists, int64_t chunk_size) : chunk_size_(chunk
   // lists: a multi_tensor.schema.AdamLists, read by name (emas / masters None when absent).
   const py::object emas = lists.attr("emas");
   const py::object masters = lists.attr("masters");
+  const py::object remainders = py::getattr(lists, "remainders", py::none());
   ema_ = !emas.is_none();
   master_ = !masters.is_none();
+  remainder_ = !remainders.is_none();
+  TORCH_CHECK(!(master_ && remainder_), "AdamBucket: masters and remainders are exclusive");
   auto take = [&](py::handle list, Slot slot) {
     std::vector<at::Tensor> ts;
     for (const at::Tensor* t : unpack_tensors(list)) {
@@ -173,11 +218,14 @@ AdamBucket::AdamBucket(py::handle lists, int64_t chunk_size) : chunk_size_(chunk
   take(lists.attr("exp_avg_sqs"), kExpAvgSq);
   if (ema_) take(emas, kEma);
   if (master_) take(masters, kMaster);
+  if (remainder_) take(remainders, kRemainder);
   const auto& params = state_[0];
   for (const auto& list : state_)
     TORCH_CHECK_VALUE(list.size() == params.size(), "AdamBucket: lists of different lengths");
   param_dtype_ = params.empty() ? c10::kFloat : params[0].scalar_type();
-  state_dtype_ = master_ ? c10::kFloat : param_dtype_;
+  state_dtype_ = master_ || remainder_ ? c10::kFloat : param_dtype_;
+  TORCH_CHECK(!remainder_ || params.empty() || param_dtype_ == c10::kBFloat16,
+              "AdamBucket: remainders are for bf16 params, got ", param_dtype_);
   ema_dtype_ = ema_ && !params.empty() ? state_[3][0].scalar_type() : state_dtype_;
   // The front end (multi_tensor/schema.py) admits only these; a kernel for anything else would
   // read the EMA with the wrong element size.
@@ -233,8 +281,10 @@ bool AdamBucket::bind(py::handle grads) {
     bool direct = is_direct(p, *g);
     for (size_t k = 1; k < state_.size(); ++k) {
       const at::Tensor& t = state_[k][i];
-      if (!t.sizes().equals(p.sizes()) || !t.is_cpu() ||
-          t.scalar_type() != (slots_[k] == kEma ? ema_dtype_ : state_dtype_))
+      const c10::ScalarType want = slots_[k] == kEma         ? ema_dtype_
+                                   : slots_[k] == kRemainder ? c10::kShort
+                                                             : state_dtype_;
+      if (!t.sizes().equals(p.sizes()) || !t.is_cpu() || t.scalar_type() != want)
         return false;
       direct = direct && is_direct(p, t);
     }
@@ -287,9 +337,10 @@ void AdamBucket::run(const std::optional<at::Tensor>& noop_flag, py::handle scal
     cf = round_scalars<float>(scalars, grad_scale);
   }
   const bool ema_bf16 = ema_ && ema_dtype_ != state_dtype_;  // the front end allows only bf16
-  const KernelFn fn = !ema_     ? for_param<false, false>(param_dtype_, grad_dtype_, master_)
-                      : ema_bf16 ? for_param<true, true>(param_dtype_, grad_dtype_, master_)
-                                 : for_param<true, false>(param_dtype_, grad_dtype_, master_);
+  const KernelFn fn =
+      !ema_      ? for_param<false, false>(param_dtype_, grad_dtype_, master_, remainder_)
+      : ema_bf16 ? for_param<true, true>(param_dtype_, grad_dtype_, master_, remainder_)
+                 : for_param<true, false>(param_dtype_, grad_dtype_, master_, remainder_);
   const void* c = fp64 ? static_cast<const void*>(&cd) : static_cast<const void*>(&cf);
   bool skipped = false;
   {

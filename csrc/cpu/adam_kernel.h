@@ -27,7 +27,7 @@ namespace multi_tensor_cpu {
 inline namespace CPU_CAPABILITY {
 
 // Slots of a row's data pointers.
-enum Slot { kGrad = 0, kParam, kExpAvg, kExpAvgSq, kEma, kMaster, kSlots };
+enum Slot { kGrad = 0, kParam, kExpAvg, kExpAvgSq, kEma, kMaster, kRemainder, kSlots };
 
 struct Row {
   void* p[kSlots] = {};
@@ -36,7 +36,7 @@ struct Row {
 using KernelFn = void (*)(const Chunk*, int64_t, const Row*, const void*);
 
 // lists: a multi_tensor.schema.AdamLists (params, exp_avgs, exp_avg_sqs, emas or None, masters or
-// None; its grads are not read), checked by the Python front end (multi_tensor/schema.py).
+// None, remainders or None; its grads are not read), checked by the Python front end (multi_tensor/schema.py).
 // bind() takes a step's grads; run() applies one update with the scalars of a
 // multi_tensor.rules.StepScalars.
 class AdamBucket {
@@ -50,6 +50,7 @@ class AdamBucket {
  private:
   bool ema_ = false;
   bool master_ = false;
+  bool remainder_ = false;  // bf16 params whose fp32 masters are held as int16 remainders
   int64_t chunk_size_;
   c10::ScalarType param_dtype_ = c10::kFloat;
   c10::ScalarType state_dtype_ = c10::kFloat;

@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int i = 0; i < multi_tensor_rules::kNumStepScalars; ++i)
     fields[i] = multi_tensor_rules::kStepScalarNames[i];
   m.attr("step_scalar_fields") = fields;
+  // AdamBucket runs AdamLists.remainders (bf16 params with int16 master remainders).
+  m.attr("param_remainders") = true;
   py::class_<AdamBucket>(m, "AdamBucket",
                          "An Adam-family op bound to one bucket's lists (a "
                          "multi_tensor.schema.AdamLists, read by name), checked by the Python "

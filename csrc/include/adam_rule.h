@@ -8,6 +8,8 @@
 // rounded once from double to T by the backend; a GPU kernel mirrors this function line for line.
 #pragma once
 
+#include <cstdint>
+
 #include "step_scalars.h"
 
 namespace multi_tensor_rules {
@@ -32,6 +34,22 @@ inline void adam_update(const AdamScalars<T>& c, V g, V& w, V& m, V& v, V& s) {
   wn = wn - V(c.step_size) * u;
   if constexpr (EMA) s = s + V(c.ema_w) * (wn - s);
   w = wn;
+}
+
+// master_weights="remainder" (multi_tensor/rules.py, "The remainder encoding"): the fp32 master
+// x is the bf16 param p (its bits) and the int16 remainder r. x's low 16 bits are r's bits; its
+// high 16 bits are p's, less one when r < 0 (p was rounded up in magnitude: the low half was
+// >= 0x8000, so round to nearest with ties away from zero). Integer arithmetic modulo 2^16 on p,
+// so every (p, r) pair is one fp32 bit pattern and back.
+inline uint32_t join_master(uint16_t p, int16_t r) {
+  const uint32_t hi = static_cast<uint16_t>(p - static_cast<uint16_t>(r < 0));
+  return (hi << 16) | static_cast<uint16_t>(r);
+}
+
+inline void split_master(uint32_t x, uint16_t& p, int16_t& r) {
+  const uint32_t lo = x & 0xFFFFu;
+  p = static_cast<uint16_t>((x >> 16) + (lo >> 15));
+  r = static_cast<int16_t>(static_cast<uint16_t>(lo));
 }
 
 }  // namespace multi_tensor_rules

@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import schema
-from ..rules import StepScalars, rounded
+from ..rules import StepScalars, join_master, rounded, split_master
 from .contract import ANY_DEVICE, Backend
 from .registry import PreparedOp, register_backend
 
@@ -80,13 +80,15 @@ def adam_family(chunk_size: int, noop_flag: torch.Tensor, lists, c: StepScalars,
     """
     del chunk_size  # elementwise: chunking cannot change a result
     grads, params, exp_avgs, exp_avg_sqs = lists.grads, lists.params, lists.exp_avgs, lists.exp_avg_sqs
-    emas, has_master = lists.emas, lists.has_master
+    emas, has_master, remainders = lists.emas, lists.has_master, lists.remainders
     if not grads or _noop_is_set(noop_flag):
         return
     if check_finite and any_nonfinite(grads):
         noop_flag.fill_(1)
         return
-    weights = lists.weights
+    # with remainders the weights are the fp32 masters joined from the params and remainders
+    weights = (lists.weights if remainders is None
+               else [join_master(p, r) for p, r in zip(params, remainders)])
     dt = math_dtype(weights[0].dtype)
 
     def k(value: float) -> float:
@@ -119,6 +121,12 @@ def adam_family(chunk_size: int, noop_flag: torch.Tensor, lists, c: StepScalars,
         s = _as(emas, dt)
         s = torch._foreach_add(s, torch._foreach_mul(torch._foreach_sub(w_new, s), k(c.ema_w)))
         _store(emas, s)
+    if remainders is not None:
+        for p, r, w in zip(params, remainders, w_new):
+            p_new, r_new = split_master(w)
+            p.copy_(p_new)
+            r.copy_(r_new)
+        return
     _store(weights, w_new)
     if has_master:
         _store(params, w_new)

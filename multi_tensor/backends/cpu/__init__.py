@@ -117,11 +117,16 @@ def _warn_once(reason: str) -> None:
 
 
 def _make_backend(mod) -> Backend:
+    remainders = bool(getattr(mod, "param_remainders", False))
+
     class CpuBucket(mod.AdamBucket, Bucket):
         """The extension's ``AdamBucket`` (bind and run in C++) with the contract's defaults."""
         __slots__ = ()
 
     def prepare(op, lists, chunk_size, once=False):
+        if lists.has_remainder and not remainders:
+            # an extension built before master remainders: the reference runs those buckets
+            return reference.prepare(op, lists, chunk_size, once)
         return CpuBucket(lists, chunk_size)
 
     def scale(chunk_size, noop_flag, tensor_lists, scale):

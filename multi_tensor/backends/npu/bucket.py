@@ -62,7 +62,12 @@ class FlatAdamBucket(Bucket):
         self.ema = lists.has_ema
         self.params: List[torch.Tensor] = list(lists.params)
         self.has_master = lists.has_master
+        # bf16 params whose fp32 masters are int16 remainders (multi_tensor/rules.py): the
+        # remainders are one more flat state buffer, and only the exact torch path runs them
+        # (CANN's operator has no form that reads a param and a remainder)
+        self.has_remainder = lists.has_remainder
         # the state lists, in AdamLists' field order: exp_avgs, exp_avg_sqs(, emas)(, masters)
+        # (, remainders)
         state_names = [name for name, _ in lists.present() if name not in ("grads", "params")]
         self.device_op = device_op
         params = self.params
@@ -70,7 +75,8 @@ class FlatAdamBucket(Bucket):
         if self.device.type == "npu":
             _ensure_torch_npu()
         self.param_dtype = params[0].dtype if params else torch.float32
-        self.work_dtype = torch.float32 if self.has_master else self.param_dtype
+        self.work_dtype = (torch.float32 if self.has_master or self.has_remainder
+                           else self.param_dtype)
         self.math_dtype = reference.math_dtype(self.work_dtype)
         self._grad_dtypes = schema.grad_dtypes(self.param_dtype)
         self.shapes = [p.shape for p in params]
@@ -79,8 +85,8 @@ class FlatAdamBucket(Bucket):
         emas = lists.emas or []
         self.ema_dtype = emas[0].dtype if emas else self.work_dtype
         dtypes = [self.work_dtype, self.param_dtype, self.ema_dtype]
-        list_dtypes = [self.ema_dtype if name == "emas" else self.work_dtype
-                       for name in state_names]
+        list_dtypes = [self.ema_dtype if name == "emas" else torch.int16
+                       if name == "remainders" else self.work_dtype for name in state_names]
 
         adopted = flat.FlatLayout.of_views(params) if params else None
         self.layout = (adopted or flat.owned_layout(lists.exp_avgs) or flat.owned_layout(params)
@@ -107,10 +113,11 @@ class FlatAdamBucket(Bucket):
         self.exp_avg, self.exp_avg_sq = named["exp_avgs"], named["exp_avg_sqs"]
         self.ema_list = named.get("emas")
         self.masters = named.get("masters")
+        self.remainders = named.get("remainders")
         self.state = moments
         if self.has_master:
             self.weights = self.masters
-        elif self.param_region is not None:
+        elif self.param_region is not None:  # the params (with remainders: their high halves)
             self.weights = flat.FlatList(params, self.param_region,
                                          self.layout.views(self.param_region), False, False)
         else:
@@ -296,7 +303,9 @@ class FlatAdamBucket(Bucket):
         if mode == "exact":
             return "exact", None
         reason = None
-        if self.op not in CANN_OPS:
+        if self.has_remainder:
+            reason = "master remainders (the operator reads no param + remainder pair)"
+        elif self.op not in CANN_OPS:
             reason = f"op {self.op} (the operator serves fused_ema_adamw only)"
         elif c.maximize:
             reason = "maximize"
@@ -327,7 +336,8 @@ class FlatAdamBucket(Bucket):
         flat_lists = schema.AdamLists(
             grads=[g_flat], params=[self.weights.flat], exp_avgs=[self.exp_avg.flat],
             exp_avg_sqs=[self.exp_avg_sq.flat],
-            emas=[self.ema_list.flat] if self.ema else None)
+            emas=[self.ema_list.flat] if self.ema else None,
+            remainders=[self.remainders.flat] if self.has_remainder else None)
         total = self.layout.total
         if grad_scale is not None and grad_scale.device != self.device:
             grad_scale = grad_scale.to(self.device)  # once, not once per slice

@@ -96,7 +96,9 @@ def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
 def prepare(op: str, lists, chunk_size: int, once: bool = False):
     """A bucket bound to its state lists: the Triton bucket, or the reference without triton."""
     k = host_module()
-    if k is None:
+    if k is None or lists.has_remainder:
+        # master remainders have no Triton kernel yet: the reference runs them (one host read
+        # of the noop flag per step)
         return PreparedOp(reference.adam_family, lists, chunk_size)
     return k.AdamBucket(op, lists, chunk_size)
 
