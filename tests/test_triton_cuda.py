@@ -71,7 +71,7 @@ def test_cuda_bitwise_vs_reference(op, dtype, switch):
 
 def test_cuda_device_steps_equal_host_steps_and_skip():
     from multi_tensor.backends import triton as triton_gpu
-    k = triton_gpu.kernels()
+    k = triton_gpu.host_module()
     for op, dtype in (("fused_ema_adamw", "bf16_master"), ("radam_ema", "fp32"), ("adam", "fp64")):
         h = _hyper(op)
         a = to(make_lists(op, dtype, SHAPES), CUDA)

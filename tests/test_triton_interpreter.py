@@ -91,7 +91,7 @@ STEPS = (1, 6)  # RAdam with beta2 = 0.999: un-rectified at step 1..5, rectified
 
 def _k():
     from multi_tensor.backends import triton as triton_gpu
-    k = triton_gpu.kernels()
+    k = triton_gpu.host_module()
     assert k is not None, triton_gpu.load_error
     return k
 

@@ -47,9 +47,10 @@ _lock = threading.Lock()
 _warned = False
 
 
-def kernels():
+def host_module():
     """The host module of the kernels (imports triton on first use), or None when triton is
-    unavailable."""
+    unavailable. (Not named ``kernels``: importing the submodule of that name sets the package's
+    attribute ``kernels`` to it.)"""
     global _kernels, load_error
     if _kernels is not None or load_error is not None:
         return _kernels
@@ -79,13 +80,13 @@ def _warn_once() -> None:
 
 
 def scale(chunk_size, noop_flag, tensor_lists, scale_factor):
-    k = kernels()
+    k = host_module()
     if k is None or not k.scale(chunk_size, noop_flag, tensor_lists, scale_factor):
         reference.scale(chunk_size, noop_flag, tensor_lists, scale_factor)
 
 
 def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
-    k = kernels()
+    k = host_module()
     out = None if k is None else k.l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
     if out is None:
         return reference.l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
@@ -94,7 +95,7 @@ def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
 
 def prepare(op: str, lists, chunk_size: int, once: bool = False):
     """A bucket bound to its state lists: the Triton bucket, or the reference without triton."""
-    k = kernels()
+    k = host_module()
     if k is None:
         return PreparedOp(reference.adam_family, lists, chunk_size)
     return k.AdamBucket(op, lists, chunk_size)
