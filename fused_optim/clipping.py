@@ -180,9 +180,11 @@ class ClippingMixin:
             flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
             own = getattr(bucket.active, "grad_norm", None)
             total = None if own is None else own(flag)
-            backend = self._norm_backend(bucket)
             if total is None:
+                backend = self._norm_backend(bucket)
                 total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
+            else:  # the bucket's backend, which bound these grads (no pass over them)
+                backend = registry.backend_for("l2norm", bucket.device)
             fp64 = fp64 and backend.fp64
             totals.append((total, bucket.layout))
         if not fp64:

@@ -13,7 +13,10 @@ few ns per tensor. Without the extension the pure-Python twins below give the sa
 * :func:`describe`: :class:`Facts` (addresses, shapes, the one dtype and device or None,
   per-item contiguity), or None likewise;
 * :func:`versions`: each tensor's version counter as native int64 bytes, or None;
-* :func:`same_objects`: whether two lists hold the very same objects (identity).
+* :func:`same_objects`: whether two lists hold the very same objects (identity);
+* :func:`addresses_match`: ``addresses(tensors) == packed``, stopping at the first difference;
+* :func:`grads_of`: the params' ``.grad``, or the previous list itself when it holds exactly
+  those grads (a steady-state step then makes no Python object per param).
 """
 from __future__ import annotations
 
@@ -45,9 +48,19 @@ def _address(t) -> Optional[int]:
     return None if address == 0 and t.numel() else address
 
 
+_ptr = torch.Tensor.data_ptr
+
+
 def py_addresses(tensors: Sequence) -> Optional[bytes]:
     """:func:`addresses` in Python (for builds without the extension, and to test it)."""
     tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    try:  # the common case without a Python call per tensor: every address nonzero (a tensor
+        # without storage, sparse ones included, raises; an empty one may be at 0: the full pass)
+        fast = np.fromiter(map(_ptr, tensors), dtype=np.int64, count=len(tensors))
+    except (RuntimeError, TypeError, ValueError):
+        fast = None
+    if fast is not None and fast.all():
+        return fast.tobytes()
     ptrs = list(map(_address, tensors))
     if None in ptrs:
         return None
@@ -106,6 +119,11 @@ def _mod():
     return _NATIVE
 
 
+def native_module():
+    """The extension module these functions run in, or None (the Python twins run)."""
+    return _mod()
+
+
 def addresses(tensors: Sequence) -> Optional[bytes]:
     """Each tensor's ``data_ptr`` as native int64 bytes, or None when an item has none."""
     mod = _mod()
@@ -142,8 +160,42 @@ def same_objects(a: Sequence, b: Sequence) -> bool:
 
 def py_same_objects(a: Sequence, b: Sequence) -> bool:
     """:func:`same_objects` in Python."""
+    if a is b:
+        return True
     a, b = list(a), list(b)
     return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def addresses_match(tensors: Sequence, packed: bytes) -> bool:
+    """Whether ``addresses(tensors) == packed`` (every tensor still at the address recorded)."""
+    mod = _mod()
+    if mod is None or not hasattr(mod, "addresses_match") or not isinstance(tensors, (list, tuple)):
+        return addresses(tensors) == packed
+    return mod.addresses_match(tensors, packed)
+
+
+def grads_of(params: Sequence, last: Optional[list] = None) -> list:
+    """``[p.grad for p in params]``, or ``last`` itself (the same list object) when it holds
+    exactly those grads (the same tensor objects, None where a param has none): a step whose
+    grads were accumulated in place, or reassigned to the same tensors, then builds nothing and
+    its binds recognise the list by identity."""
+    mod = _mod()
+    if mod is not None and hasattr(mod, "grads_of") and isinstance(params, list):
+        out = mod.grads_of(params, last)
+        if out is not None:
+            return out
+    return py_grads_of(params, last)
+
+
+_grad = operator.attrgetter("grad")
+
+
+def py_grads_of(params: Sequence, last: Optional[list] = None) -> list:
+    """:func:`grads_of` in Python."""
+    grads = list(map(_grad, params))
+    if last is not None and len(last) == len(grads) and all(map(operator.is_, grads, last)):
+        return last
+    return grads
 
 
 def as_array(packed: bytes) -> np.ndarray:

@@ -259,6 +259,10 @@ class AdamBucket:
         # equal address in bind is this storage (a moved tensor's old storage is not reused
         # under the kernel)
         self._s_keep = [t.detach() for t in self._s_objs]
+        # the grads last bound followed by the state tensors, and all their addresses: the
+        # steady state's check is one native pass over them (:meth:`_unchanged`)
+        self._gs_objs = None
+        self._gs_addr = None
         self.captured = False
         self._norm: Optional[_NormPlan] = None  # the grads' l2norm tables (grad_norm)
         self._retired: List[torch.Tensor] = []  # buffers a captured graph still reads
@@ -349,20 +353,21 @@ class AdamBucket:
         now = tensor_facts.addresses(self._s_objs)
         return now is None or now != self._s_addr
 
-    def _same_grads(self, grads) -> bool:
-        """The grads last bound: the same objects (compared by identity, at C speed: no tensor
-        is compared by value) at the same addresses."""
+    def _unchanged(self, grads) -> bool:
+        """The grads last bound (the same objects, compared by identity at C speed: no tensor
+        is compared by value) with those grads, the params and every state tensor at the
+        addresses bound: one native pass over the grads and the state."""
         objs = self._g_objs
         if objs is None or not tensor_facts.same_objects(grads, objs):
             return False
-        return tensor_facts.addresses(grads) == self._g_addr  # (the same objects: tensors)
+        return tensor_facts.addresses_match(self._gs_objs, self._gs_addr)
 
     def bind_unchanged(self, grads) -> bool:
         """``bind`` for the grads last bound, unchanged (the same objects at the same
         addresses) with the params and every state tensor unmoved; False (nothing bound)
         otherwise. (For callers that skip the list checks on True: it checks all the state.)"""
         self._grads = None
-        if not self._same_grads(grads) or self.state_moved():
+        if not self._unchanged(grads):
             return False
         self._grads = self._g_objs
         return True
@@ -372,7 +377,7 @@ class AdamBucket:
         where they were) costs one identity pass over the grads and one native pass over the
         grads' and the state's addresses; anything else goes through :meth:`_bind_slow`."""
         self._grads = None
-        if self._same_grads(grads) and not self.state_moved():
+        if self._unchanged(grads):
             self._grads = self._g_objs
             return True
         if len(grads) != self.n:
@@ -439,6 +444,8 @@ class AdamBucket:
         self._g_dtype = dtype
         self._g_objs = grads
         self._g_addr = facts.addresses
+        self._gs_objs = grads + self._s_objs
+        self._gs_addr = facts.addresses + self._s_addr
         self._grads = grads
         return True
 
