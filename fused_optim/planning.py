@@ -286,9 +286,10 @@ class PlanningMixin:
 
         Returns the group's :class:`_GroupOptions` (None for options that change in place, which
         are worked out at every step)."""
-        key = tuple(map(id, group.values()))
+        values = tuple(group.values())
         checked = self._checked_groups.get(id(group))
-        if checked is not None and checked.key == key:
+        # (the checked values are kept alive, so the same objects are the same ids)
+        if checked is not None and tensor_facts.same_objects(values, checked.values):
             return checked
         self._check_group(group)
         mutable = any(_changes_in_place(v) for k, v in group.items() if k != "params")
@@ -301,7 +302,8 @@ class PlanningMixin:
             _holds_tensor(v) for k, v in group.items() if k != "params")
         # the values are kept alive, so no other object takes their ids: a new group that gets
         # a freed group's id still differs from it in its params list (a value of its own)
-        options = _GroupOptions(key, tuple(group.values()),
+        values = tuple(group.values())  # (as checked)
+        options = _GroupOptions(tuple(map(id, values)), values,
                                 (self._plan_signature(group), step_dependent),
                                 self._hyper(group, 1) if constant else None)
         self._checked_groups[id(group)] = options

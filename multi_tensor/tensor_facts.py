@@ -20,6 +20,7 @@ few ns per tensor. Without the extension the pure-Python twins below give the sa
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import NamedTuple, Optional, Sequence
 
@@ -68,24 +69,37 @@ def py_addresses(tensors: Sequence) -> Optional[bytes]:
 
 
 def py_describe(tensors: Sequence) -> Optional[Facts]:
-    """:func:`describe` in Python (for builds without the extension, and to test it)."""
+    """:func:`describe` in Python (for builds without the extension, and to test it), without
+    a Python step per tensor (``map`` and numpy iterate)."""
     tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
     ptrs = py_addresses(tensors)
     if ptrs is None:
         return None
-    shapes = []
-    for t in tensors:
-        try:
-            sizes = [int(s) for s in t.shape]
-        except (RuntimeError, TypeError):  # symbolic sizes
-            return None
-        shapes += [len(sizes)] + sizes
-    dtypes = {t.dtype for t in tensors}
-    devices = {t.device for t in tensors}
-    return Facts(ptrs, np.asarray(shapes, dtype=np.int64).tobytes(),
+    try:
+        shapes = list(map(_shape, tensors))
+        lens = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
+        sizes = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64)
+    except (RuntimeError, TypeError, ValueError):  # symbolic sizes
+        return None
+    # each tensor's ndim, then its sizes
+    packed = np.empty(len(lens) + len(sizes), dtype=np.int64)
+    at = np.cumsum(lens + 1) - (lens + 1)
+    is_len = np.zeros(len(packed), dtype=bool)
+    is_len[at] = True
+    packed[at] = lens
+    packed[~is_len] = sizes
+    dtypes = set(map(_dtype, tensors))
+    devices = set(map(_device, tensors))
+    return Facts(ptrs, packed.tobytes(),
                  dtypes.pop() if len(dtypes) == 1 else None,
                  devices.pop() if len(devices) == 1 else None,
-                 bytes(int(t.is_contiguous()) for t in tensors))
+                 bytes(map(int, map(_is_contiguous, tensors))))
+
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+_is_contiguous = operator.methodcaller("is_contiguous")
 
 
 def py_versions(tensors: Sequence) -> Optional[bytes]:

@@ -15,9 +15,10 @@ with ``max_grad_norm``. The ``planted`` scenario adds a loop over the grads to e
 and must be seen to grow (the guard catches what it is for).
 
 The counts run in one subprocess (``TRITON_INTERPRET=1`` must be set before triton loads; the
-stub backend stays out of this process's registry). Needs the native CPU extension: without
-it the Python twins of :mod:`multi_tensor.tensor_facts` do the per-tensor work in Python by
-design (and the Triton backend warns at its first bucket).
+stub backend stays out of this process's registry). Without the native CPU extension the CPU
+scenarios have no backend to run on and skip; the Triton ones still run, on the Python twins of
+:mod:`multi_tensor.tensor_facts` (their per-tensor work is C-level iteration, ``map`` over a
+list, which neither counter sees as Python work: a count, not a time).
 """
 import collections
 import json
@@ -137,6 +138,8 @@ def _main(path: str) -> None:
     from multi_tensor import tensor_facts
     results = {"native": tensor_facts.native_module() is not None, "counts": {}}
     for name, backend, options, moved in SCENARIOS + [PLANTED]:
+        if backend == "cpu" and not results["native"]:
+            continue  # no native CPU backend to run
         results["counts"][name] = {str(n): _run(name, backend, options, moved, n) for n in SIZES}
     with open(path, "w") as f:
         json.dump(results, f)
@@ -155,11 +158,14 @@ def counts(tmp_path_factory):
     if proc.returncode != 0:
         pytest.fail(f"the counting subprocess failed (rc {proc.returncode}):\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    data = json.loads(out.read_text())
-    if not data["native"]:
-        pytest.skip("the native CPU extension is not built: without it the per-tensor checks "
-                    "run in Python by design (python -m multi_tensor.build)")
-    return data["counts"]
+    return json.loads(out.read_text())
+
+
+def _entry(counts, name):
+    if name not in counts["counts"]:
+        pytest.skip(f"{name!r} runs on the native CPU backend, which is not built here "
+                    f"(python -m multi_tensor.build)")
+    return counts["counts"][name]
 
 
 def _describe(entry) -> str:
@@ -169,7 +175,7 @@ def _describe(entry) -> str:
 
 @pytest.mark.parametrize("name", [s[0] for s in SCENARIOS])
 def test_step_host_work_does_not_grow_with_tensors(counts, name):
-    entry = counts[name]
+    entry = _entry(counts, name)
     small, large = (entry[str(n)] for n in SIZES)
     assert small["calls"] > 0 and small["opcodes"] > 0, entry
     expected = {"cpu": ["AdamBucket"], "triton": ["AdamBucket"]}
@@ -180,9 +186,10 @@ def test_step_host_work_does_not_grow_with_tensors(counts, name):
 
 
 def test_guard_sees_a_planted_per_tensor_loop(counts):
-    small, large = (counts["planted"][str(n)] for n in SIZES)
-    assert large["opcodes"] - small["opcodes"] >= SIZES[1] - SIZES[0], counts["planted"]
-    assert large["calls"] - small["calls"] >= SIZES[1] - SIZES[0], counts["planted"]
+    entry = _entry(counts, "planted")
+    small, large = (entry[str(n)] for n in SIZES)
+    assert large["opcodes"] - small["opcodes"] >= SIZES[1] - SIZES[0], entry
+    assert large["calls"] - small["calls"] >= SIZES[1] - SIZES[0], entry
 
 
 if __name__ == "__main__":
