@@ -357,8 +357,8 @@ class AdamBucket:
         """Whether a param or a state tensor no longer has the address the table holds: one
         native pass over their addresses (:func:`multi_tensor.tensor_facts.addresses`), at
         every bind."""
-        now = tensor_facts.addresses(self._s_objs)
-        return now is None or now != self._s_addr
+        return self._s_addr is None or not tensor_facts.addresses_match(self._s_objs,
+                                                                         self._s_addr)
 
     def _unchanged(self, grads) -> bool:
         """The grads last bound (the same objects, compared by identity at C speed: no tensor
