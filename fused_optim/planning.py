@@ -60,7 +60,7 @@ class _Bucket:
     __slots__ = ("rows", "params", "prepared", "step", "step_tensor", "device_step", "device",
                  "complex",
                  "device_steps", "grads", "ema_free", "every", "active", "layout",
-                 "local_params", "_step_host", "_flag_optional", "_taken_from", "_taken")
+                 "local_params", "_step_host", "_flag_optional")
 
     def __init__(self, rows: Optional[List[int]], params, prepared, step: int, device_steps: bool,
                  ema_free=None, every: int = 1, layout=None):
@@ -96,10 +96,6 @@ class _Bucket:
         # a host-step bucket whose backend takes noop_flag=None gets None: the optimizer never
         # sets its flag, and a flag would be read on the host at every step
         self._flag_optional = getattr(prepared, "noop_flag_optional", False)
-        # the group's grads list this bucket last took its rows of, and those rows (a plain
-        # bucket's: its grads themselves, taken again while the group's list is the same object)
-        self._taken_from = None
-        self._taken = None
 
     def exact_step(self) -> int:
         """The number of updates done (the device counter's, which skipped steps do not
@@ -108,14 +104,7 @@ class _Bucket:
 
     def bind(self, grads: List[Optional[torch.Tensor]]) -> bool:
         """Take this step's grads (real views for complex params) if they fit the bucket."""
-        if self.rows is None:
-            mine = grads
-        elif grads is self._taken_from:
-            mine = self._taken
-        else:
-            mine = [grads[i] for i in self.rows]
-            if self.layout is None and not self.complex:
-                self._taken_from, self._taken = grads, mine
+        mine = grads if self.rows is None else [grads[i] for i in self.rows]
         if self.layout is not None:
             mine = self._local_grads(mine)
             if mine is None:
@@ -192,7 +181,7 @@ class _GroupOptions:
 
 
 class _GroupPlan:
-    __slots__ = ("params", "count", "signature", "present", "buckets", "grads")
+    __slots__ = ("params", "count", "signature", "present", "buckets")
 
     def __init__(self, params, signature, present, buckets):
         self.params = params          # the group's own list object, to notice a replaced list
@@ -200,21 +189,16 @@ class _GroupPlan:
         self.signature = signature
         self.present = present        # indices of the params with grads; None: all of them
         self.buckets = buckets
-        # the grads list last bound (tensor_facts.grads_of returns this very list while the
-        # params hold the same grads, so which params have one is known without a pass)
-        self.grads: Optional[list] = None
 
     def bind(self, params, signature, grads) -> bool:
         """Whether this plan still serves ``grads``; if so every bucket has taken its grads."""
         if self.params is not params or self.count != len(params) or self.signature != signature:
             return False
-        if (self.present is not None and grads is not self.grads
-                and self.present != _present(grads)):
+        if self.present is not None and self.present != _present(grads):
             return False
         for bucket in self.buckets:
             if not bucket.bind(grads):
                 return False
-        self.grads = grads
         return True
 
 
@@ -262,15 +246,11 @@ class PlanningMixin:
     def _bound_buckets(self, group: Dict[str, Any]) -> List[_Bucket]:
         """A group's buckets for this step: options checked (the plan depends on them), planned,
         grads bound."""
-        last = self._plans.get(id(group))
-        last = None if last is None else last.grads
-        # one native pass (tensor_facts.grads_of): the same list as last step's when every param
-        # holds the same grad
-        grads = tensor_facts.grads_of(group["params"], last)
-        # (the same grads as the plan's: it has buckets exactly when some param has a grad)
-        has_grads = (bool(self._plans[id(group)].buckets) if grads is last
-                     else any(g is not None for g in grads))
-        options = self._ensure_checked(group) if has_grads else None
+        # one native pass (tensor_facts.grads_of). The list is not kept past the step (its
+        # identity would let the next step skip a pass, but it would keep grads that the user
+        # set to None alive through the next forward and backward)
+        grads = tensor_facts.grads_of(group["params"])
+        options = self._ensure_checked(group) if any(g is not None for g in grads) else None
         return self._plan(group, grads, options).buckets
 
     def _ensure_checked(self, group: Dict[str, Any]) -> Optional[_GroupOptions]:
@@ -326,7 +306,6 @@ class PlanningMixin:
             if not bucket.bind(grads):
                 raise RuntimeError(
                     f"{type(self).__name__}: the backend refused grads that passed the op check")
-        plan.grads = grads
         return plan
 
     def _step_of(self, p: torch.Tensor) -> int:
