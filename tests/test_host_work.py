@@ -192,5 +192,26 @@ def test_guard_sees_a_planted_per_tensor_loop(counts):
     assert large["calls"] - small["calls"] >= SIZES[1] - SIZES[0], entry
 
 
+def test_a_step_keeps_no_grad_alive():
+    """Collecting the grads natively keeps none of them past the step: grads the user sets to
+    None (``zero_grad(set_to_none=True)``, ``model.zero_grad()``) are freed at once."""
+    import gc
+    import weakref
+
+    import torch
+
+    import fused_optim
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(8)
+    opt = fused_optim.FusedEmaAdamW(params, lr=1e-3, ema_decay=0.999)
+    for _ in range(2):
+        opt.step()
+    refs = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
 if __name__ == "__main__":
     _main(sys.argv[1])
