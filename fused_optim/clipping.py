@@ -179,9 +179,11 @@ class ClippingMixin:
             # must stay clear
             flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
             total = bucket.active.grad_norm(flag)
-            backend = self._norm_backend(bucket)
             if total is None:
+                backend = self._norm_backend(bucket)
                 total, _ = backend.ops["l2norm"](self._chunk_size, flag, [bucket.grads], False)
+            else:  # the bucket's backend, which bound these grads (no pass over them)
+                backend = registry.backend_for("l2norm", bucket.device)
             if combiner is None or (combiner.fp64 and not backend.fp64):
                 combiner = backend
             totals.append((total, bucket.layout))

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from multi_tensor import plan, rules, schema
+from multi_tensor import plan, rules, schema, tensor_facts
 from multi_tensor.bucketing import is_dtensor, local_shard, shard_layout
 
 from . import ema_schedules
@@ -245,7 +245,10 @@ class PlanningMixin:
     def _bound_buckets(self, group: Dict[str, Any]) -> List[_Bucket]:
         """A group's buckets for this step: options checked (the plan depends on them), planned,
         grads bound."""
-        grads = [p.grad for p in group["params"]]
+        # one native pass (tensor_facts.grads_of). The list is not kept past the step (its
+        # identity would let the next step skip a pass, but it would keep grads that the user
+        # set to None alive through the next forward and backward)
+        grads = tensor_facts.grads_of(group["params"])
         options = self._ensure_checked(group) if any(g is not None for g in grads) else None
         return self._plan(group, grads, options).buckets
 
@@ -262,9 +265,10 @@ class PlanningMixin:
 
         Returns the group's :class:`_GroupOptions` (None for options that change in place, which
         are worked out at every step)."""
-        key = tuple(map(id, group.values()))
+        values = tuple(group.values())
         checked = self._checked_groups.get(id(group))
-        if checked is not None and checked.key == key:
+        # (the checked values are kept alive, so the same objects are the same ids)
+        if checked is not None and tensor_facts.same_objects(values, checked.values):
             return checked
         self._check_group(group)
         mutable = any(_changes_in_place(v) for k, v in group.items() if k != "params")
@@ -277,7 +281,8 @@ class PlanningMixin:
             _holds_tensor(v) for k, v in group.items() if k != "params")
         # the values are kept alive, so no other object takes their ids: a new group that gets
         # a freed group's id still differs from it in its params list (a value of its own)
-        options = _GroupOptions(key, tuple(group.values()),
+        values = tuple(group.values())  # (as checked)
+        options = _GroupOptions(tuple(map(id, values)), values,
                                 (self._plan_signature(group), step_dependent),
                                 self._hyper(group, 1) if constant else None)
         self._checked_groups[id(group)] = options

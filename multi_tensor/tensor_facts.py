@@ -14,10 +14,14 @@ extension the pure-Python twins below give the same results.
 * :func:`describe`: :class:`Facts` (addresses, shapes, the one dtype and device or None,
   per-item contiguity), or None likewise;
 * :func:`versions`: each tensor's version counter as native int64 bytes, or None;
-* :func:`same_objects`: whether two lists hold the very same objects (identity).
+* :func:`same_objects`: whether two lists hold the very same objects (identity);
+* :func:`addresses_match`: ``addresses(tensors) == packed``, stopping at the first difference;
+* :func:`grads_of`: the params' ``.grad``, or the previous list itself when it holds exactly
+  those grads (a steady-state step then makes no Python object per param).
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import NamedTuple, Optional, Sequence
 
@@ -46,9 +50,19 @@ def _address(t) -> Optional[int]:
     return None if address == 0 and t.numel() else address
 
 
+_ptr = torch.Tensor.data_ptr
+
+
 def py_addresses(tensors: Sequence) -> Optional[bytes]:
     """:func:`addresses` in Python (for builds without the extension, and to test it)."""
     tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    try:  # the common case without a Python call per tensor: every address nonzero (a tensor
+        # without storage, sparse ones included, raises; an empty one may be at 0: the full pass)
+        fast = np.fromiter(map(_ptr, tensors), dtype=np.int64, count=len(tensors))
+    except (RuntimeError, TypeError, ValueError):
+        fast = None
+    if fast is not None and fast.all():
+        return fast.tobytes()
     ptrs = list(map(_address, tensors))
     if None in ptrs:
         return None
@@ -56,24 +70,37 @@ def py_addresses(tensors: Sequence) -> Optional[bytes]:
 
 
 def py_describe(tensors: Sequence) -> Optional[Facts]:
-    """:func:`describe` in Python (for builds without the extension, and to test it)."""
+    """:func:`describe` in Python (for builds without the extension, and to test it), without
+    a Python step per tensor (``map`` and numpy iterate)."""
     tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
     ptrs = py_addresses(tensors)
     if ptrs is None:
         return None
-    shapes = []
-    for t in tensors:
-        try:
-            sizes = [int(s) for s in t.shape]
-        except (RuntimeError, TypeError):  # symbolic sizes
-            return None
-        shapes += [len(sizes)] + sizes
-    dtypes = {t.dtype for t in tensors}
-    devices = {t.device for t in tensors}
-    return Facts(ptrs, np.asarray(shapes, dtype=np.int64).tobytes(),
+    try:
+        shapes = list(map(_shape, tensors))
+        lens = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
+        sizes = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64)
+    except (RuntimeError, TypeError, ValueError):  # symbolic sizes
+        return None
+    # each tensor's ndim, then its sizes
+    packed = np.empty(len(lens) + len(sizes), dtype=np.int64)
+    at = np.cumsum(lens + 1) - (lens + 1)
+    is_len = np.zeros(len(packed), dtype=bool)
+    is_len[at] = True
+    packed[at] = lens
+    packed[~is_len] = sizes
+    dtypes = set(map(_dtype, tensors))
+    devices = set(map(_device, tensors))
+    return Facts(ptrs, packed.tobytes(),
                  dtypes.pop() if len(dtypes) == 1 else None,
                  devices.pop() if len(devices) == 1 else None,
-                 bytes(int(t.is_contiguous()) for t in tensors))
+                 bytes(map(int, map(_is_contiguous, tensors))))
+
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+_is_contiguous = operator.methodcaller("is_contiguous")
 
 
 def py_versions(tensors: Sequence) -> Optional[bytes]:
@@ -106,6 +133,11 @@ def use_native(mod) -> None:
 def _mod():
     """The extension module these functions run on, or None (the Python twins)."""
     return _NATIVE
+
+
+def native_module():
+    """The extension module these functions run in, or None (the Python twins run)."""
+    return _mod()
 
 
 def addresses(tensors: Sequence) -> Optional[bytes]:
@@ -144,8 +176,42 @@ def same_objects(a: Sequence, b: Sequence) -> bool:
 
 def py_same_objects(a: Sequence, b: Sequence) -> bool:
     """:func:`same_objects` in Python."""
+    if a is b:
+        return True
     a, b = list(a), list(b)
     return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def addresses_match(tensors: Sequence, packed: bytes) -> bool:
+    """Whether ``addresses(tensors) == packed`` (every tensor still at the address recorded)."""
+    mod = _mod()
+    if mod is None or not hasattr(mod, "addresses_match") or not isinstance(tensors, (list, tuple)):
+        return addresses(tensors) == packed
+    return mod.addresses_match(tensors, packed)
+
+
+def grads_of(params: Sequence, last: Optional[list] = None) -> list:
+    """``[p.grad for p in params]``, or ``last`` itself (the same list object) when it holds
+    exactly those grads (the same tensor objects, None where a param has none): a step whose
+    grads were accumulated in place, or reassigned to the same tensors, then builds nothing and
+    its binds recognise the list by identity."""
+    mod = _mod()
+    if mod is not None and hasattr(mod, "grads_of") and isinstance(params, list):
+        out = mod.grads_of(params, last)
+        if out is not None:
+            return out
+    return py_grads_of(params, last)
+
+
+_grad = operator.attrgetter("grad")
+
+
+def py_grads_of(params: Sequence, last: Optional[list] = None) -> list:
+    """:func:`grads_of` in Python."""
+    grads = list(map(_grad, params))
+    if last is not None and len(last) == len(grads) and all(map(operator.is_, grads, last)):
+        return last
+    return grads
 
 
 def as_array(packed: bytes) -> np.ndarray:

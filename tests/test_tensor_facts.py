@@ -54,6 +54,16 @@ def test_native_matches_python(name, container):
     assert tensor_facts.addresses(tensors) == tensor_facts.py_addresses(tensors)
     assert tensor_facts.describe(tensors) == tensor_facts.py_describe(tensors)
     assert tensor_facts.versions(tensors) == tensor_facts.py_versions(tensors)
+    packed = tensor_facts.py_addresses(tensors)
+    if packed is not None:
+        assert tensor_facts.addresses_match(tensors, packed)
+        assert not tensor_facts.addresses_match(tensors, packed + bytes(8))
+        if tensors:  # the last address moved
+            moved = tensor_facts.as_array(packed).copy()
+            moved[-1] += 16
+            assert not tensor_facts.addresses_match(tensors, moved.tobytes())
+    else:  # no address to match: never a match
+        assert not tensor_facts.addresses_match(tensors, bytes(8 * len(tensors)))
 
 
 def test_facts_say_what_a_bind_needs():
@@ -109,3 +119,47 @@ def test_same_objects_is_identity_never_equality():
         assert tensor_facts.same_objects(x, y) is want, (x, y)
         assert tensor_facts.py_same_objects(x, y) is want, (x, y)
     assert tensor_facts.same_objects(iter([a]), [a])
+
+
+class _GradInPython(torch.nn.Parameter):
+    """A param subclass whose .grad is a Python property (grads_of must read it in Python)."""
+
+    @property
+    def grad(self):
+        return self.seen
+
+    @grad.setter
+    def grad(self, value):
+        self.seen = value
+
+
+def _params_with_grads():
+    ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)] + [torch.randn(2)]
+    ps[0].grad, ps[2].grad = torch.randn(3), torch.randn(3)
+    return ps
+
+
+@pytest.mark.parametrize("grads_of", [tensor_facts.grads_of, tensor_facts.py_grads_of],
+                         ids=["wrapper", "python"])
+def test_grads_of_gives_the_last_list_back_only_for_the_same_grads(grads_of):
+    ps = _params_with_grads()
+    first = grads_of(ps)
+    assert len(first) == len(ps) and all(g is p.grad for g, p in zip(first, ps))
+    assert grads_of(ps, first) is first  # the same grads: the same list object
+    changes = [
+        ("a new grad tensor", lambda: setattr(ps[0], "grad", torch.randn(3))),
+        ("a grad appears", lambda: setattr(ps[1], "grad", torch.randn(3))),
+        ("a grad goes", lambda: setattr(ps[2], "grad", None)),
+    ]
+    last = first
+    for what, change in changes:
+        change()
+        now = grads_of(ps, last)
+        assert now is not last, what
+        assert all(g is p.grad for g, p in zip(now, ps)), what
+        assert grads_of(ps, now) is now, what
+        last = now
+    assert grads_of(ps[:-1], last) is not last  # another count
+    odd = _GradInPython(torch.randn(3))
+    odd.grad = torch.randn(3)
+    assert grads_of([odd] + ps, None)[0] is odd.seen

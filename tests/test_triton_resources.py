@@ -1,8 +1,9 @@
 """What the Triton backend's kernels cost an sm_90a GPU, checked on this CPU machine.
 
 Every kernel variant the backend can launch (``triton_aot.aot_variants``: every op, list form,
-dtype combination, each ALIGN mode: aligned per launch, per chunk or not) is compiled for sm_90a and assembled
-by Triton's bundled ``ptxas -v``. Asserted:
+dtype combination, each ALIGN mode: aligned per launch, per chunk or not), with the warps and
+constexprs it is launched with (``kernels.LAUNCHES``), is compiled for sm_90a and assembled by
+``ptxas -v``, the one Triton itself picks for that target. Asserted:
 
 * no shared memory (``ld/st.shared``) and no barrier (``bar.sync``) in the PTX of the
   elementwise kernels (Adam family, scale, the non-finite check). A layout conversion between
@@ -49,11 +50,23 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 from multi_tensor.backends.triton import aot as K  # noqa: E402
 from multi_tensor.backends.triton.kernels import ELEMENT_SIZE  # noqa: E402
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-if not os.path.exists(PTXAS):
-    pytest.skip(f"Triton's bundled ptxas is missing ({PTXAS})", allow_module_level=True)
-
 ARCH = 90
+
+
+def _ptxas(arch: int):
+    """The ptxas Triton itself assembles sm_<arch> code with (``get_ptxas(arch)``: it picks
+    another assembler for some targets and honours ``TRITON_PTXAS_PATH``), or None."""
+    try:
+        from triton.backends.nvidia import compiler
+        return compiler.get_ptxas(arch).path
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+PTXAS = _ptxas(ARCH)
+if not PTXAS or not os.path.exists(PTXAS):
+    pytest.skip(f"Triton's ptxas for sm_{ARCH} is missing ({PTXAS})", allow_module_level=True)
+
 VARIANTS = {v[0]: v for v in K.aot_variants()}
 ELEMENTWISE = ("adam_", "scale_", "nonfinite_")
 MAX_REGS, MAX_REGS_FP32 = 96, 80
@@ -197,7 +210,7 @@ def _per_thread(kernel, cx) -> int:
     block = cx["BLOCK"]
     if kernel.__name__ == "_adam_kernel" and cx["P_DT"] == K.F64:
         block //= 2
-    return block // (32 * K.NUM_WARPS)
+    return block // (32 * K.num_warps_of(kernel))
 
 
 def _dtype_of(kernel, arg, cx) -> int:
@@ -223,7 +236,7 @@ def _scalar_per_thread(kernel, cx) -> int:
         block //= 4 if chunk and cx["P_DT"] == K.F64 else 2
     elif chunk and kernel.__name__ != "_sumsq_kernel":
         block //= 2
-    return block // (32 * K.NUM_WARPS)
+    return block // (32 * K.num_warps_of(kernel))
 
 
 _WIDE = re.compile(r"\.v4\.b32$|\.v2\.b64$")

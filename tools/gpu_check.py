@@ -251,19 +251,20 @@ def bench_workload(name, shapes, dtype, copy_gbs, iters, baseline, graph_too=Fal
 
 def block_sweep(shapes, configs, iters=5):
     """Our step time on ``shapes`` for (BLOCK, num_warps) configurations (defaults restored)."""
-    from multi_tensor.backends.triton import host as K  # the launches read BLOCK and NUM_WARPS there
-    saved = (K.BLOCK, K.NUM_WARPS)
+    from multi_tensor.backends.triton import kernels as K  # the launches read K.LAUNCHES
+    saved = dict(K.LAUNCHES)
+    adam = saved["_adam_kernel"]
     out = []
     try:
         step, opt = ours(shapes, torch.float32)
         for block, warps in configs:
-            K.BLOCK, K.NUM_WARPS = block, warps
+            K.LAUNCHES["_adam_kernel"] = K.Launch(warps, {**adam.constexprs, "BLOCK": block})
             t = timed(step, iters)
             out.append({"BLOCK": block, "num_warps": warps, "step_s": t["s"],
                         "GBps": BYTES_PER_ELEMENT * numel(shapes) / t["s"] / 1e9})
         del step, opt
     finally:
-        K.BLOCK, K.NUM_WARPS = saved
+        K.LAUNCHES.update(saved)
         free()
     return out
 

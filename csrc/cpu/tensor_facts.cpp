@@ -113,12 +113,89 @@ py::object versions(py::handle obj) {
 // same_objects(a, b) -> bool: the two lists hold the very same objects, in order (identity;
 // nothing is compared by value).
 bool same_objects(py::handle a, py::handle b) {
+  if (a.ptr() == b.ptr()) return true;
   const auto [xs, n] = sequence_items(a);
   const auto [ys, m] = sequence_items(b);
   if (n != m) return false;
   for (Py_ssize_t i = 0; i < n; ++i)
     if (xs[i] != ys[i]) return false;
   return true;
+}
+
+// The tensor's metadata and its storage's, a few items ahead of a pass over thousands of small
+// tensors scattered over the heap (such a pass is bound by cache misses).
+inline void prefetch_facts(PyObject* item) {
+  if (!THPVariable_Check(item)) return;
+  const c10::TensorImpl* impl = THPVariable_Unpack(item).unsafeGetTensorImpl();
+  __builtin_prefetch(impl);
+  __builtin_prefetch(reinterpret_cast<const char*>(impl) + 64);
+  __builtin_prefetch(reinterpret_cast<const char*>(impl) + 128);
+}
+
+// addresses_match(seq, packed) -> bool: addresses(seq) == packed, without building the bytes and
+// stopping at the first difference.
+bool addresses_match(py::handle obj, py::bytes packed) {
+  const auto [items, n] = sequence_items(obj);
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_AsStringAndSize(packed.ptr(), &data, &size) != 0) throw py::error_already_set();
+  if (size != n * static_cast<Py_ssize_t>(sizeof(int64_t))) return false;
+  constexpr Py_ssize_t kAhead = 8;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch_facts(items[i + kAhead]);
+    const at::Tensor* t = tensor_or_null(items[i]);
+    if (t == nullptr) return false;
+    const std::optional<int64_t> a = address_of(*t);
+    int64_t expected;
+    std::memcpy(&expected, data + i * sizeof(int64_t), sizeof(int64_t));
+    if (!a || *a != expected) return false;
+  }
+  return true;
+}
+
+// grads_of(params, last) -> list or None: [p.grad for p in params], or ``last`` itself (the same
+// list object) when it holds exactly those grads (each the same tensor, None where a param has
+// none): a steady-state step then makes no Python object at all. A tensor's Python object is
+// unique to its TensorImpl, so comparing the impls compares the objects p.grad would return.
+// None when a param is not exactly a torch.Tensor or torch.nn.Parameter (a subclass may define
+// .grad in Python: the caller reads it there).
+py::object grads_of(py::handle params, py::handle last) {
+  const auto [ps, n] = sequence_items(params);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!THPVariable_CheckExact(ps[i])) return py::none();
+  if (!last.is_none()) {
+    const auto [ls, m] = sequence_items(last);
+    bool same = m == n;
+    constexpr Py_ssize_t kAhead = 8;
+    for (Py_ssize_t i = 0; same && i < n; ++i) {
+      if (i + kAhead < n) prefetch_facts(ps[i + kAhead]);
+      const at::Tensor& g = THPVariable_Unpack(ps[i]).grad();
+      PyObject* held = ls[i];
+      if (held == Py_None) {
+        same = !g.defined();
+      } else {
+        same = g.defined() && THPVariable_Check(held) &&
+               THPVariable_Unpack(held).unsafeGetTensorImpl() == g.unsafeGetTensorImpl();
+      }
+    }
+    if (same) return py::reinterpret_borrow<py::object>(last);
+  }
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) throw py::error_already_set();
+  py::object result = py::reinterpret_steal<py::object>(out);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const at::Tensor& g = THPVariable_Unpack(ps[i]).grad();
+    PyObject* item;
+    if (g.defined()) {
+      item = THPVariable_Wrap(g);
+      if (item == nullptr) throw py::error_already_set();
+    } else {
+      Py_INCREF(Py_None);
+      item = Py_None;
+    }
+    PyList_SET_ITEM(out, i, item);
+  }
+  return result;
 }
 
 }  // namespace
@@ -130,6 +207,11 @@ void bind_tensor_facts(py::module_& m) {
         "(addresses, shapes, dtype, device, contiguous) of a list of strided tensors, or None.");
   m.def("same_objects", &same_objects, py::arg("a"), py::arg("b"),
         "Whether two lists hold the very same objects, in order (by identity).");
+  m.def("addresses_match", &addresses_match, py::arg("tensors"), py::arg("packed"),
+        "Whether addresses(tensors) == packed (stops at the first difference).");
+  m.def("grads_of", &grads_of, py::arg("params"), py::arg("last"),
+        "[p.grad for p in params], or last itself when it holds exactly those grads; None when "
+        "a param is not exactly a Tensor or Parameter.");
   m.def("versions", &versions, py::arg("tensors"),
         "Each tensor's version counter as native int64 bytes, or None when one keeps none.");
 }

@@ -50,7 +50,8 @@ _warned = False
 
 def host_module():
     """The host module of the kernels (imports triton on first use), or None when triton is
-    unavailable."""
+    unavailable. (Not named ``kernels``: importing the submodule of that name sets the package's
+    attribute ``kernels`` to it.)"""
     global _kernels, load_error
     if _kernels is not None or load_error is not None:
         return _kernels
@@ -100,7 +101,30 @@ def prepare(op: str, lists, chunk_size: int, once: bool = False):
         # master remainders have no Triton kernel yet: the reference runs them (one host read
         # of the noop flag per step)
         return PreparedOp(reference.adam_family, lists, chunk_size)
+    _warn_no_native_once()
     return k.AdamBucket(op, lists, chunk_size)
+
+
+_warned_native = False
+
+
+def _warn_no_native_once() -> None:
+    """A bucket's per-step host work (collecting and checking every grad's and state tensor's
+    identity and address) runs in the native CPU extension; without it the Python twins of
+    :mod:`multi_tensor.tensor_facts` do it, several times slower for thousands of tensors:
+    said once, with how to build it."""
+    global _warned_native
+    from ... import tensor_facts
+    from .. import cpu as native_cpu
+    if _warned_native or tensor_facts.native_module() is not None:
+        return
+    _warned_native = True
+    warnings.warn(
+        "multi_tensor: the native CPU extension is not loaded, so the Triton backend's per-step "
+        "host work (checking every grad and state tensor) runs in Python, several times slower "
+        f"for thousands of tensors (reason: {native_cpu.load_error}). Build it with: "
+        f"{native_cpu.BUILD_COMMAND}",
+        RuntimeWarning, stacklevel=4)
 
 
 BACKEND = register_backend(Backend(

@@ -16,21 +16,28 @@ import torch
 
 from ... import rules, schema, tensor_facts
 from ..contract import Bucket
-from .kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, BLOCK, COMPILE_OPTIONS,
-                             DTYPE_CODE, F32, F64, NORM_BLOCK, NORM_RBLOCK, NUM_WARPS, STEP_BITS, _adam_kernel,
-                             _nonfinite_kernel, _rowsum_kernel, _scale_kernel,
-                             _step_scalars_kernel, _sumsq_kernel, _total_kernel)
+from .kernels import (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE, COMPILE_OPTIONS, DTYPE_CODE, F32,
+                      F64, LAUNCHES, NORM_BLOCK, _adam_kernel, _nonfinite_kernel,
+                      _rowsum_kernel, _scale_kernel, _step_scalars_kernel, _sumsq_kernel,
+                      _total_kernel)
 
 
 _ptr = torch.Tensor.data_ptr
 
 
-def _launch(kernel, grid, device: torch.device, *args, **kwargs):
-    kwargs.setdefault("num_warps", NUM_WARPS)
+def _launch(kernel, grid, device: torch.device, *args, **constexprs):
+    """Launch ``kernel`` with the warps and fixed constexprs of its row of
+    :data:`~.kernels.LAUNCHES` (what the ahead-of-time checks compile) and the per-launch
+    ``constexprs``."""
+    launch = LAUNCHES[kernel.__name__]
+    _run(kernel, grid, device, args, {**launch.constexprs, **constexprs}, launch.num_warps)
+
+
+def _run(kernel, grid, device: torch.device, args, constexprs, num_warps: int):
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            return kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
-    return kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
+            return kernel[grid](*args, **constexprs, num_warps=num_warps, **COMPILE_OPTIONS)
+    return kernel[grid](*args, **constexprs, num_warps=num_warps, **COMPILE_OPTIONS)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -261,6 +268,10 @@ class AdamBucket(Bucket):
         # equal address in bind is this storage (a moved tensor's old storage is not reused
         # under the kernel)
         self._s_keep = [t.detach() for t in self._s_objs]
+        # the grads last bound followed by the state tensors, and all their addresses: the
+        # steady state's check is one native pass over them (:meth:`_unchanged`)
+        self._gs_objs = None
+        self._gs_addr = None
         self.captured = False
         self._norm: Optional[_NormPlan] = None  # the grads' l2norm tables (grad_norm)
         self._retired: List[torch.Tensor] = []  # buffers a captured graph still reads
@@ -348,23 +359,24 @@ class AdamBucket(Bucket):
         """Whether a param or a state tensor no longer has the address the table holds: one
         native pass over their addresses (:func:`multi_tensor.tensor_facts.addresses`), at
         every bind."""
-        now = tensor_facts.addresses(self._s_objs)
-        return now is None or now != self._s_addr
+        return self._s_addr is None or not tensor_facts.addresses_match(self._s_objs,
+                                                                         self._s_addr)
 
-    def _same_grads(self, grads) -> bool:
-        """The grads last bound: the same objects (compared by identity, at C speed: no tensor
-        is compared by value) at the same addresses."""
+    def _unchanged(self, grads) -> bool:
+        """The grads last bound (the same objects, compared by identity at C speed: no tensor
+        is compared by value) with those grads, the params and every state tensor at the
+        addresses bound: one native pass over the grads and the state."""
         objs = self._g_objs
         if objs is None or not tensor_facts.same_objects(grads, objs):
             return False
-        return tensor_facts.addresses(grads) == self._g_addr  # (the same objects: tensors)
+        return tensor_facts.addresses_match(self._gs_objs, self._gs_addr)
 
     def bind_unchanged(self, grads) -> bool:
         """``bind`` for the grads last bound, unchanged (the same objects at the same
         addresses) with the params and every state tensor unmoved; False (nothing bound)
         otherwise. (For callers that skip the list checks on True: it checks all the state.)"""
         self._grads = None
-        if not self._same_grads(grads) or self.state_moved():
+        if not self._unchanged(grads):
             return False
         self._grads = self._g_objs
         return True
@@ -374,7 +386,7 @@ class AdamBucket(Bucket):
         where they were) costs one identity pass over the grads and one native pass over the
         grads' and the state's addresses; anything else goes through :meth:`_bind_slow`."""
         self._grads = None
-        if self._same_grads(grads) and not self.state_moved():
+        if self._unchanged(grads):
             self._grads = self._g_objs
             return True
         if len(grads) != self.n:
@@ -441,6 +453,8 @@ class AdamBucket(Bucket):
         self._g_dtype = dtype
         self._g_objs = grads
         self._g_addr = facts.addresses
+        self._gs_objs = grads + self._s_objs
+        self._gs_addr = facts.addresses + self._s_addr
         self._grads = grads
         return True
 
@@ -507,8 +521,7 @@ class AdamBucket(Bucket):
         if _capturing(self.device):
             self.mark_captured()
         _launch(_step_scalars_kernel, (1,), self.device, self._hyp, step, flag,
-                lr if lr is not None else self._hyp, self._scal, LR_TENSOR=lr is not None,
-                NBITS=STEP_BITS, num_warps=1)
+                lr if lr is not None else self._hyp, self._scal, LR_TENSOR=lr is not None)
         if self.n_chunks:
             self._launch(flag, grad_scale, False)
 
@@ -530,7 +543,7 @@ class AdamBucket(Bucket):
             _launch(_nonfinite_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
                     self.chunk, self._g_base, flag, NL=self._nl, G_DT=g_dt,
                     ALIGN=(ALIGN_CHUNK if self._g_aligned == ALIGN_ALL and self.chunk % 16
-                           else self._g_aligned), BLOCK=BLOCK)
+                           else self._g_aligned))
         gscale = self._scal
         if grad_scale is not None:
             gscale = grad_scale.reshape(-1)[:1].to(device=self.device, dtype=self.math)
@@ -541,7 +554,7 @@ class AdamBucket(Bucket):
                 b.get("emas", p_base), b.get("masters", p_base), self._scal, flag,
                 gscale, G_DT=g_dt, P_DT=self.p_dt, S_DT=self.s_dt, E_DT=self.e_dt,
                 EMA=self.ema, MASTER=self.master, HAS_SCALE=grad_scale is not None,
-                ALIGN=self.align_mode(), BLOCK=BLOCK)
+                ALIGN=self.align_mode())
         for st in self._staged:
             st.orig.copy_(st.copy)
 
@@ -602,7 +615,7 @@ def scale(chunk_size, noop_flag, tensor_lists, scale_factor) -> bool:
         table = to_device(torch.from_numpy(np.ascontiguousarray(host)), None, device)
         _launch(_scale_kernel, (len(rows),), device, table, len(rows), chunk, _base_view(s0),
                 _base_view(d0), factor, flag, S_DT=DTYPE_CODE[sdt], D_DT=DTYPE_CODE[ddt],
-                ALIGN=_align_of(vec), BLOCK=BLOCK)
+                ALIGN=_align_of(vec))
     for d, tmp in copy_back:
         d.copy_(tmp)
     return True
@@ -680,14 +693,13 @@ class _NormPlan:
             if base.data_ptr() % 16:
                 align = ALIGN_NONE
             _launch(_sumsq_kernel, (n_rows,), device, table, n_rows, _base_view(base),
-                    self.partial, flag, DT=DTYPE_CODE[dtype], NB=NORM_BLOCK, ALIGN=align,
-                    BLOCK=BLOCK)
+                    self.partial, flag, DT=DTYPE_CODE[dtype], ALIGN=align)
         total = torch.zeros((), dtype=torch.float32, device=device)
         per32 = torch.zeros(n, dtype=torch.float32, device=device) if per_tensor else self.per32
         if n:
             _launch(_rowsum_kernel, (n,), device, self.partial, self.rows_t, n, self.per64,
-                    per32, RB=NORM_RBLOCK)
-            _launch(_total_kernel, (1,), device, self.per64, n, total, RB=NORM_RBLOCK)
+                    per32)
+            _launch(_total_kernel, (1,), device, self.per64, n, total)
         if not per_tensor:
             per32 = torch.zeros(0, dtype=torch.float32, device=device)
         return total, per32

@@ -44,6 +44,7 @@ anything back to the host, so a step is sync-free and can be captured in a CUDA 
 from __future__ import annotations
 
 import os
+from typing import Dict, NamedTuple
 
 import torch
 import triton
@@ -885,3 +886,28 @@ def _total_kernel(per64, n_rows, total, RB: tl.constexpr):
         acc = acc + tl.load(per64 + offs, mask=offs < n, other=0.0)
         b += RB
     tl.store(total, tl.sqrt(tl.sum(acc, axis=0)).to(tl.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# how each kernel is launched: the one table the host side (host._launch) and the ahead-of-time
+# matrix (aot.aot_variants) both read, so the PTX and resource checks compile each kernel with
+# the warps and the fixed constexprs it runs with
+
+class Launch(NamedTuple):
+    num_warps: int
+    constexprs: Dict[str, int]  # the constexprs every launch passes (the rest vary per launch)
+
+
+LAUNCHES: Dict[str, Launch] = {
+    "_adam_kernel": Launch(NUM_WARPS, {"BLOCK": BLOCK}),
+    "_nonfinite_kernel": Launch(NUM_WARPS, {"BLOCK": BLOCK}),
+    "_scale_kernel": Launch(NUM_WARPS, {"BLOCK": BLOCK}),
+    "_sumsq_kernel": Launch(NUM_WARPS, {"NB": NORM_BLOCK, "BLOCK": BLOCK}),
+    "_rowsum_kernel": Launch(NUM_WARPS, {"RB": NORM_RBLOCK}),
+    "_total_kernel": Launch(NUM_WARPS, {"RB": NORM_RBLOCK}),
+    # one thread computes a step's scalars: one warp
+    "_step_scalars_kernel": Launch(1, {"NBITS": STEP_BITS}),
+}
+# the non-finite scan's NL (the pointer table's rows before numel: the grads and the state
+# lists, 1 + params, exp_avgs, exp_avg_sqs, then an EMA and masters where the bucket has them)
+NL_VALUES = (4, 5, 6)
