@@ -28,8 +28,11 @@ Every kernel mirrors :mod:`multi_tensor.rules` (and ``csrc/include/adam_rule.h``
 fp32 math with ``tl.div_rn``/``tl.sqrt_rn`` (fp64 buckets: ``/`` and ``tl.sqrt``, which are IEEE
 in fp64), every kernel is launched with ``enable_fp_fusion=False`` (no multiply-add contraction),
 negation flips the sign bit, fp32 -> bf16 rounds to nearest even with integer operations (NaN ->
-0x7FC0; the interpreter's own cast truncates), fp32 -> fp16 converts with ``rtne``. Scalars are
-rounded once from double, on the host (``torch`` casts) or on the device (``cvt.rn``).
+0x7FC0; the interpreter's own cast truncates), fp32 -> fp16 converts with ``rtne``. Master
+remainders are joined with their bf16 params into the fp32 masters, and split back, with integer
+operations (:func:`multi_tensor.rules.join_master` / ``split_master``: ties away from zero).
+Scalars are rounded once from double, on the host (``torch`` casts) or on the device
+(``cvt.rn``).
 
 Device-side steps
 -----------------
@@ -275,8 +278,8 @@ def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, 
                 w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
                 l2, decoupled, use_denom, maximize, inv_scale,
                 G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-                EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr, HAS_SCALE: tl.constexpr,
-                MATH: tl.constexpr, IS64: tl.constexpr):
+                EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+                HAS_SCALE: tl.constexpr, MATH: tl.constexpr, IS64: tl.constexpr):
     # one block, every list with the same layout (the lists' vector widths agree: see
     # _adam_kernel). E_DT: the EMA's storage (S_DT, or bf16 beside fp32/fp16 state): loaded
     # exactly, rounded once on store. Every list is loaded first, the EMA with the others.
@@ -315,8 +318,8 @@ def _adam_rows(r8, end, MASKED: tl.constexpr, g_base, g_d, p_base, p_d, m_base, 
                v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
                step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-               EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr, HAS_SCALE: tl.constexpr,
-               R: tl.constexpr):
+               EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+               HAS_SCALE: tl.constexpr, R: tl.constexpr):
     """_adam_block for lists of 16-bit and 32-bit dtypes together: rows of 8 elements per
     thread, each list loaded and stored in 128-bit vectors (_ld_halves), the math on halves."""
     F: tl.constexpr = tl.float32
@@ -362,8 +365,9 @@ def _adam_vec(start, end, vec, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_
               w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
               l2, decoupled, use_denom, maximize, inv_scale,
               G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-              EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr, HAS_SCALE: tl.constexpr,
-              CHECK: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr):
+              EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+              HAS_SCALE: tl.constexpr, CHECK: tl.constexpr, TAIL: tl.constexpr,
+              BLOCK: tl.constexpr):
     """The whole blocks of one chunk from ``start`` in 128-bit vectors; returns how many
     elements they cover (0 when ``vec`` is false). CHECK: ``vec`` says whether this chunk is
     aligned (every list's offset a multiple of its vector width, 16 bytes, and ``start`` a
@@ -447,8 +451,8 @@ def _adam_rest(base, end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_
                w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
                l2, decoupled, use_denom, maximize, inv_scale,
                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-               EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr, HAS_SCALE: tl.constexpr,
-               RB: tl.constexpr):
+               EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+               HAS_SCALE: tl.constexpr, RB: tl.constexpr):
     """``base <= i < end`` element by element: whole blocks of RB elements unmasked, then one
     masked block (every list in the same 1-D layout, one element per access)."""
     IS64: tl.constexpr = P_DT == 3
@@ -962,5 +966,6 @@ LAUNCHES: Dict[str, Launch] = {
     "_step_scalars_kernel": Launch(1, {"NBITS": STEP_BITS}),
 }
 # the non-finite scan's NL (the pointer table's rows before numel: the grads and the state
-# lists, 1 + params, exp_avgs, exp_avg_sqs, then an EMA and masters where the bucket has them)
+# lists, 1 + params, exp_avgs, exp_avg_sqs, then an EMA and masters or remainders where the
+# bucket has them)
 NL_VALUES = (4, 5, 6)
