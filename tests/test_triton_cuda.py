@@ -1,7 +1,8 @@
 """The Triton backend on a real CUDA GPU (skipped without one, or without triton).
 
 * every Adam-family op and dtype form, bitwise against the reference backend on the GPU and on
-  the CPU; scale bitwise, l2norm close and deterministic;
+  the CPU; master remainders against fp32 masters on the CPU reference; scale bitwise, l2norm
+  close and deterministic;
 * a prepared bucket's device steps equal its host-scalar steps, bitwise;
 * a full optimizer step under ``torch.amp.GradScaler`` runs with
   ``torch.cuda.set_sync_debug_mode("error")`` (no host sync), overflow steps included;
@@ -27,8 +28,10 @@ import fused_optim  # noqa: E402
 import multi_tensor  # noqa: E402
 from multi_tensor import rules  # noqa: E402
 from multi_tensor.backends import backend_for, reference  # noqa: E402
-from test_triton_interpreter import (ADAM_OPS, DTYPES, SHAPES, SWITCHES, _hyper,  # noqa: E402
-                                     assert_lists_equal, bits, clone, make_lists, same_bits)
+from test_triton_interpreter import (ADAM_OPS, DTYPES, SHAPES, STEPS, SWITCHES,  # noqa: E402
+                                     _hyper, assert_lists_equal, assert_remainders_match, bits,
+                                     clone, make_lists, ref_adam, remainder_bucket,
+                                     remainder_lists, same_bits)
 
 CUDA = torch.device("cuda")
 
@@ -67,6 +70,27 @@ def test_cuda_bitwise_vs_reference(op, dtype, switch):
         torch.cuda.synchronize()
         assert_lists_equal(to(gpu, "cpu"), to(gref, "cpu"), f"{op} {dtype} vs GPU reference")
         assert_lists_equal(to(gpu, "cpu"), cref, f"{op} {dtype} vs CPU reference")
+
+
+@pytest.mark.parametrize("op,dtype", [("fused_ema_adamw", "bf16_master"),
+                                      ("fused_ema_adamw", "bf16_master_ema_bf16"),
+                                      ("adam", "bf16_master_g32"), ("radam_ema", "bf16_master")])
+def test_cuda_remainder_vs_fp32_masters(op, dtype):
+    """master_weights="remainder" on the GPU against fp32 masters on the CPU reference: masters
+    (joined), moments and EMA bitwise, the params and remainders the masters' split."""
+    scale = SWITCHES["decoupled_scale"]["grad_scale"]
+    h = _hyper(op, **SWITCHES["decoupled_scale"])
+    want = make_lists(op, dtype, SHAPES + ((70001,),), grad_scale=scale)
+    rem = to(remainder_lists(want), CUDA)
+    bucket = remainder_bucket(op, rem, 2048)
+    for step in STEPS:
+        c = rules.step_scalars(h, step)
+        assert bucket.bind(rem[0])
+        bucket.run(torch.zeros(1, dtype=torch.int32, device=CUDA), c,
+                   torch.tensor([scale], device=CUDA))
+        ref_adam(want, c, scale)
+        torch.cuda.synchronize()
+        assert_remainders_match(to(rem, "cpu"), want, f"{op} {dtype} remainder step {step}")
 
 
 def test_cuda_device_steps_equal_host_steps_and_skip():

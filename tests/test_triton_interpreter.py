@@ -1395,6 +1395,157 @@ def _norm_scratch():
 
 
 # ---------------------------------------------------------------------------------------------
+# master remainders: bf16 params + int16 remainders, against fp32 masters (master_weights=True)
+# on the reference: masters (joined), moments and EMA bit for bit, the params and remainders the
+# split of the reference's masters (so the params equal its params except at exact ties, where
+# they are the neighbour away from zero)
+
+def _placed(t: torch.Tensor, off: int) -> torch.Tensor:
+    """A copy of ``t`` ``off`` elements into a fresh buffer (off > 0: a misaligned address)."""
+    buf = torch.zeros(t.numel() + off + 8, dtype=t.dtype)
+    v = buf[off:off + t.numel()].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+def remainder_lists(lists, offset=lambda li, i, last: 0):
+    """The remainder form of masters-form ``lists`` ([grads, params, m, v, (emas), masters]):
+    [grads, params, m, v, (emas), remainders], the params and remainders split from the masters;
+    tensor i of list li placed ``offset(li, i, index of the remainders)`` elements into a
+    buffer of its own."""
+    split = [rules.split_master(x) for x in lists[-1]]
+    out = [list(ts) for ts in lists[:-1]] + [[r for _, r in split]]
+    out[1] = [p for p, _ in split]
+    return [[_placed(t.clone(), offset(li, i, len(out) - 1)) for i, t in enumerate(ts)]
+            for li, ts in enumerate(out)]
+
+
+def remainder_bucket(op, rem, chunk):
+    has_ema = schema.OPS[op].has_ema
+    lists = schema.AdamLists(grads=None, params=rem[1], exp_avgs=rem[2], exp_avg_sqs=rem[3],
+                             emas=rem[4] if has_ema else None, remainders=rem[-1])
+    return _k().AdamBucket(op, lists, chunk)
+
+
+def assert_remainders_match(rem, want, what: str) -> int:
+    """rem (remainder form) against want (masters form, after the same steps); returns how many
+    params differ from the masters form's (each at an exact tie, counted)."""
+    assert_lists_equal(rem[2:-1], want[2:-1], what)  # moments and EMA
+    ties = 0
+    for i, (p, r, x, pw) in enumerate(zip(rem[1], rem[-1], want[-1], want[1])):
+        assert same_bits(rules.join_master(p, r), x), f"{what}: tensor {i}: masters differ"
+        ps, rs = rules.split_master(x)
+        assert same_bits(p, ps) and same_bits(r, rs), f"{what}: tensor {i}: not the split"
+        differ = bits(p) != bits(pw)
+        lo = bits(x).to(torch.int64) & 0xFFFF
+        assert bool((lo[differ] == 0x8000).all()), f"{what}: tensor {i}: a param off a tie"
+        ties += int(differ.sum())
+    return ties
+
+
+def compare_remainder(op, dtype, switch="decoupled_scale", chunk=2048, shapes=SHAPES,
+                      offset=lambda li, i, last: 0, align=None):
+    kw = SWITCHES[switch]
+    h = _hyper(op, **kw)
+    scale = kw.get("grad_scale")
+    want = make_lists(op, dtype, shapes, grad_scale=scale)
+    rem = remainder_lists(want, offset)
+    bucket = remainder_bucket(op, rem, chunk)
+    noop = torch.zeros(1, dtype=torch.int32)
+    gs = None if scale is None else torch.tensor([scale])
+    before = clone(rem)
+    for step in STEPS:
+        c = rules.step_scalars(h, step)
+        assert bucket.bind(rem[0])
+        if align is not None:  # the ALIGN mode the placement is meant to exercise
+            assert bucket.align_mode() == getattr(_k(), align), (bucket.align_mode(), align)
+        bucket.run(noop, c, gs)
+        ref_adam(want, c, scale)
+        assert_remainders_match(rem, want, f"remainder {op} {dtype} {switch} step {step}")
+    assert any(not same_bits(a, b) for a, b in zip(rem[1], before[1]) if a.numel()), \
+        "the params did not change: nothing was tested"
+
+
+REM_DTYPES = {"fused_ema_adamw": ("bf16_master", "bf16_master_g32", "bf16_master_ema_bf16"),
+              "adam": ("bf16_master", "bf16_master_g32"),
+              "radam_ema": ("bf16_master",), "radam": ("bf16_master_g32",)}
+for _op, _dts in REM_DTYPES.items():
+    for _dt in _dts:
+        case(f"remainder-{_op}-{_dt}")(lambda op=_op, dt=_dt: compare_remainder(op, dt))
+for _op in ("fused_ema_adamw", "adam"):
+    for _sw in ("l2", "maximize_l2", "wd0", "no_bias_correction"):
+        case(f"remainder-switch-{_op}-{_sw}")(lambda op=_op, sw=_sw: compare_remainder(
+            op, "bf16_master", sw, chunk=64, shapes=SMALL))
+for _chunk in (1, 7, 1024, 65536):
+    case(f"remainder-chunk-{_chunk}")(lambda c=_chunk: compare_remainder(
+        "fused_ema_adamw", "bf16_master", chunk=c,
+        shapes=((3,), (0,), (20,), (4, 5)) if c < 16 else SHAPES))
+# misaligned tensors: some in every list (the choice made per chunk), all (element by element),
+# only one remainder (its own bit of the chunks' misalignment row)
+for _name, _off, _mode in (("some", lambda li, i, last: i % 3, "ALIGN_CHUNK"),
+                           ("all", lambda li, i, last: 1 + i % 3, "ALIGN_NONE"),
+                           ("remainder", lambda li, i, last: 5 * (li == last and i == 5),
+                            "ALIGN_CHUNK")):
+    for _op, _dt in (("fused_ema_adamw", "bf16_master"), ("adam", "bf16_master_g32")):
+        case(f"remainder-unaligned-{_name}-{_op}")(
+            lambda op=_op, dt=_dt, off=_off, mode=_mode: compare_remainder(
+                op, dt, offset=off, align=mode))
+
+
+@case("remainder-skip")
+def _remainder_skip():
+    """GradScaler's skip (the noop flag set, or found by check_finite): nothing changes."""
+    for op in ("fused_ema_adamw", "adam"):
+        want = make_lists(op, "bf16_master", SMALL, grad_scale=1024.0)
+        rem = remainder_lists(want)
+        before = clone(rem)
+        bucket = remainder_bucket(op, rem, 64)
+        c = rules.step_scalars(_hyper(op), 3)
+        assert bucket.bind(rem[0])
+        bucket.run(torch.ones(1, dtype=torch.int32), c, torch.tensor([1024.0]))
+        assert_lists_equal(rem, before, f"{op} remainder with the noop flag set")
+        rem[0][3].view(-1)[5] = float("inf")
+        flag = torch.zeros(1, dtype=torch.int32)
+        assert bucket.bind(rem[0])
+        bucket.run(flag, c, torch.tensor([1024.0]), True)
+        assert int(flag.item()) == 1, f"{op}: the inf grad was not found"
+        assert_lists_equal(rem[1:], before[1:], f"{op} remainder with an inf grad")
+
+
+@case("remainder-ties")
+def _remainder_ties():
+    """Masters an update leaves alone (zero grad and moment, no decay) at exact ties and edge
+    low halves, ±0, subnormals, the largest finite values: the kernel's split writes the params
+    away from zero at ties (the masters form's round to even), the rest as the masters form."""
+    op = "adam"
+    h = _hyper(op, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(5)
+    n = 4096
+    hi = torch.randint(0, 0x7F7F, (n,), generator=gen, dtype=torch.int32)
+    hi = hi | (torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32) << 15)
+    edge = torch.tensor([0x8000, 0x7FFF, 0x8001, 0, 1, 0xFFFF, 0xC000], dtype=torch.int32)
+    lo = edge[torch.randint(0, len(edge), (n,), generator=gen)]
+    hi[:8] = torch.tensor([0, 0x8000, 0, 0x8000, 0x7F7F, 0xFF7F, 0x0001, 0x8001])
+    lo[:8] = torch.tensor([0, 0, 0x8000, 0x8000, 0xFFFF, 0xFFFF, 0x8000, 0x8000])
+    x = ((((hi ^ 0x8000) - 0x8000) << 16) | lo).view(F32)
+    live = torch.arange(n) >= n - 512  # the last 512 elements do move
+    g = torch.where(live, torch.randn(n, generator=gen), 0.0).to(BF16)
+    m = torch.where(live, torch.randn(n, generator=gen) * 0.1, 0.0)
+    v = torch.rand(n, generator=gen) * 0.01
+    want = [[g], [x.to(BF16)], [m], [v], [x.clone()]]
+    rem = remainder_lists(want)
+    bucket = remainder_bucket(op, rem, 2048)
+    c = rules.step_scalars(h, 2)
+    assert bucket.bind(rem[0])
+    bucket.run(torch.zeros(1, dtype=torch.int32), c)
+    ref_adam(want, c)
+    ties = assert_remainders_match(rem, want, "remainder ties")
+    still = (bits(want[-1][0]).to(torch.int64) & 0xFFFF == 0x8000) & ~live
+    even = ((bits(want[-1][0]).to(torch.int64) >> 16) & 1) == 0
+    assert ties >= int((still & even).sum()) > 100, ties
+
+
+# ---------------------------------------------------------------------------------------------
 # the tests: each case is one test, run by pytest in a TRITON_INTERPRET=1 process
 #
 # In a process started with TRITON_INTERPRET=1 (``TRITON_INTERPRET=1 python -m pytest

@@ -112,9 +112,11 @@ def _record_launches(monkeypatch):
     return host, seen
 
 
-# (param dtype, grad dtype, masters, EMA dtype or None) of the buckets whose launches are checked
+# (param dtype, grad dtype, masters (False, True or "rem": master remainders), EMA dtype or
+# None) of the buckets whose launches are checked
 _BUCKETS = [("float32", "float32", False, "float32"), ("float32", "float32", False, None),
             ("bfloat16", "bfloat16", True, "float32"), ("bfloat16", "float32", True, "bfloat16"),
+            ("bfloat16", "float32", "rem", "float32"), ("bfloat16", "bfloat16", "rem", None),
             ("float16", "float16", False, "bfloat16"), ("float64", "float64", False, "float64")]
 
 
@@ -136,7 +138,9 @@ def test_launches_are_compiled_variants(monkeypatch):
             exp_avg_sqs=[torch.zeros(n, dtype=s_dt) for n in sizes],
             emas=None if e_dt is None else [torch.zeros(n, dtype=getattr(torch, e_dt))
                                             for n in sizes],
-            masters=[p.float() for p in params] if master else None)
+            masters=[p.float() for p in params] if master is True else None,
+            remainders=([torch.zeros(n, dtype=torch.int16) for n in sizes] if master == "rem"
+                        else None))
         op = "fused_ema_adamw" if e_dt is not None else "adam"
         bucket = host.AdamBucket(op, lists, 2048)
         grads = [torch.randn(n).to(g_dt) for n in sizes]

@@ -48,7 +48,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
                 allow_module_level=True)
 
 from multi_tensor.backends.triton import aot as K  # noqa: E402
-from multi_tensor.backends.triton.kernels import ELEMENT_SIZE  # noqa: E402
+from multi_tensor.backends.triton.kernels import ELEMENT_SIZE, I16  # noqa: E402
 
 ARCH = 90
 
@@ -183,9 +183,9 @@ def _lists_of(name):
     if kernel.__name__ == "_adam_kernel":
         if not cx["EMA"]:
             del lists["s_base"]
-        if not cx["MASTER"]:
+        if not cx["MASTER"] and not cx["REM"]:
             del lists["w_base"]
-        else:  # the update reads the masters; the params are only written
+        elif cx["MASTER"]:  # the update reads the masters; the params are only written
             lists["p_base"] = "w"
     return kernel, lists, cx
 
@@ -216,7 +216,8 @@ def _per_thread(kernel, cx) -> int:
 def _dtype_of(kernel, arg, cx) -> int:
     return {"_adam_kernel": dict(g_base=cx.get("G_DT"), p_base=cx.get("P_DT"),
                                  m_base=cx.get("S_DT"), v_base=cx.get("S_DT"),
-                                 s_base=cx.get("E_DT"), w_base=K.F32),
+                                 s_base=cx.get("E_DT"),
+                                 w_base=I16 if cx.get("REM") else K.F32),
             "_scale_kernel": dict(src_base=cx.get("S_DT"), dst_base=cx.get("D_DT")),
             "_nonfinite_kernel": dict(g_base=cx.get("G_DT")),
             "_sumsq_kernel": dict(base=cx.get("DT"))}[kernel.__name__][arg]
@@ -309,7 +310,8 @@ def test_chunk_branches_are_told_apart(name):
 
 def test_every_op_list_form_and_dtype_is_covered():
     """The variant list covers what the backend can launch: every Adam-family dtype path
-    (params x grads x masters x EMA storage) in every ALIGN mode, with and without a grad
+    (params x grads x masters (none, fp32, remainders beside bf16 params) x EMA storage) in
+    every ALIGN mode, with and without a grad
     scale; the non-finite scan, scale (every (src, dst) pair) and the sum of squares for every
     dtype in every ALIGN mode."""
     modes = (K.ALIGN_ALL, K.ALIGN_CHUNK, K.ALIGN_NONE)
@@ -317,18 +319,19 @@ def test_every_op_list_form_and_dtype_is_covered():
     want = set()
     for p in dts:
         for g in dts:
-            for master in (False, True):
-                s = K.F32 if master else p
+            for master in ("plain", "master") + (("rem",) if p == K.BF16 else ()):
+                s = K.F32 if master != "plain" else p
                 for e in (None, s, K.BF16):
                     for align in modes:
                         want.add((p, g, master, e, align))
-    want |= {(K.F64, K.F64, False, e, a) for e in (None, K.F64) for a in modes}
+    want |= {(K.F64, K.F64, "plain", e, a) for e in (None, K.F64) for a in modes}
     got, scales = set(), set()
     for name, kernel, sig, cx in VARIANTS.values():
         if kernel.__name__ == "_adam_kernel":
-            got.add((cx["P_DT"], cx["G_DT"], cx["MASTER"], cx["E_DT"] if cx["EMA"] else None,
+            master = "master" if cx["MASTER"] else "rem" if cx["REM"] else "plain"
+            got.add((cx["P_DT"], cx["G_DT"], master, cx["E_DT"] if cx["EMA"] else None,
                      cx["ALIGN"]))
-            scales.add((cx["P_DT"], cx["G_DT"], cx["MASTER"], cx["HAS_SCALE"]))
+            scales.add((cx["P_DT"], cx["G_DT"], master, cx["HAS_SCALE"]))
     assert want <= got, f"Adam variants not covered: {sorted(want - got)}"
     assert {s[3] for s in scales} == {False, True}
     every = (K.F32, K.F16, K.BF16, K.F64)

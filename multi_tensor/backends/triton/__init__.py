@@ -14,7 +14,10 @@ What runs where:
   state dtype or bf16 (its storage dtype is a constexpr of its own), one launch per bucket
   (plus one scan launch when ``check_finite``). The same bits as the reference backend
   (:mod:`multi_tensor.rules`' operation order, IEEE division and sqrt, no FMA contraction,
-  bf16/fp16 rounded to nearest even once).
+  bf16/fp16 rounded to nearest even once). Master remainders (bf16 params): the kernel joins
+  each param's bits and remainder into the fp32 master and splits the result back
+  (:func:`multi_tensor.rules.join_master` / ``split_master``, integer operations), in the
+  same pass.
 * ``scale``: one launch per (src dtype, dst dtype) pair present; the same bits as the reference.
 * ``l2norm``: fixed 4096-element blocks summed in fp64, then per tensor and in total in a fixed
   order (one launch per input dtype + two small ones): deterministic, independent of chunk size,
@@ -97,9 +100,7 @@ def l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
 def prepare(op: str, lists, chunk_size: int, once: bool = False):
     """A bucket bound to its state lists: the Triton bucket, or the reference without triton."""
     k = host_module()
-    if k is None or lists.has_remainder:
-        # master remainders have no Triton kernel yet: the reference runs them (one host read
-        # of the noop flag per step)
+    if k is None:
         return PreparedOp(reference.adam_family, lists, chunk_size)
     _warn_no_native_once()
     return k.AdamBucket(op, lists, chunk_size)

@@ -27,37 +27,42 @@ ALIGN_NAMES = {ALIGN_ALL: "aligned", ALIGN_CHUNK: "chunk", ALIGN_NONE: "unaligne
 def aot_variants():
     """(name, kernel, signature, constexprs): every kernel of kernels.py, specialised as the
     backend can launch it, for the ahead-of-time PTX and resource checks. Adam family: every
-    dtype path (params x grads x masters x EMA storage: none, the state dtype or bf16), in
+    dtype path (params x grads x masters (none, fp32, remainders beside bf16 params) x EMA
+    storage: none, the state dtype or bf16), in
     each ALIGN mode (every chunk aligned, aligned per chunk, none), with and without a grad
     scale (alternating); the non-finite check for every grad dtype, ALIGN mode and number of
     lists (``NL_VALUES``); scale and l2norm's sum of squares: every dtype (pair) in each ALIGN
     mode; the l2norm combine phases; the device step kernel with fp32 and fp64 scalars, lr
     float or tensor. Each variant's constexprs include its kernel's fixed ones (``LAUNCHES``)."""
     out = []
-    combos = []  # (param, grad, master, ema storage: None = no EMA)
+    # (param, grad, master form: None, "master" (fp32 masters) or "rem" (master remainders,
+    # bf16 params only), ema storage: None = no EMA)
+    combos = []
     for p in (F32, F16, BF16):
         for g in (F32, F16, BF16):
-            for master in (False, True):
+            for master in (None, "master") + (("rem",) if p == BF16 else ()):
                 s = F32 if master else p
                 for e in (None, s) + ((BF16,) if s != BF16 else ()):
                     combos.append((p, g, master, e))
-    combos += [(F64, F64, False, None), (F64, F64, False, F64)]
+    combos += [(F64, F64, None, None), (F64, F64, None, F64)]
     for k, (p, g, master, e) in enumerate(combos):
         s = F32 if master else p
         ema = e is not None
         for align in (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE):
             has_scale = (k + align) % 2 == 0
-            name = (f"adam_p{p}_g{g}_{'master' if master else 'plain'}_"
+            name = (f"adam_p{p}_g{g}_{master or 'plain'}_"
                     f"{f'ema{e}' if ema else 'noema'}_{'scale' if has_scale else 'noscale'}_"
                     f"{ALIGN_NAMES[align]}")
             math_ptr = "*fp64" if p == F64 else "*fp32"
             sig = {"table": "*i64", "n_chunks": "i32", "chunk": "i32", "g_base": _PTR[g],
                    "p_base": _PTR[p], "m_base": _PTR[s], "v_base": _PTR[s],
                    "s_base": _PTR[e] if ema else _PTR[p],
-                   "w_base": "*fp32" if master else _PTR[p], "scal": math_ptr,
+                   "w_base": {"master": "*fp32", "rem": "*i16"}.get(master, _PTR[p]),
+                   "scal": math_ptr,
                    "noop": "*i32", "gscale": math_ptr}
-            cx = dict(G_DT=g, P_DT=p, S_DT=s, E_DT=e if ema else s, EMA=ema, MASTER=master,
-                      HAS_SCALE=has_scale, ALIGN=align)
+            cx = dict(G_DT=g, P_DT=p, S_DT=s, E_DT=e if ema else s, EMA=ema,
+                      MASTER=master == "master", REM=master == "rem", HAS_SCALE=has_scale,
+                      ALIGN=align)
             out.append((name, _adam_kernel, sig, cx))
     for align in (ALIGN_ALL, ALIGN_CHUNK, ALIGN_NONE):
         for g in (F32, F16, BF16, F64):

@@ -181,8 +181,11 @@ class AdamBucket(Bucket):
         self.op = op
         self.ema = lists.has_ema
         self.master = lists.has_master
+        # master remainders: the kernel joins them with the params' bits into fp32 masters
+        self.remainder = lists.has_remainder
         # the pointer table's rows: the grads, then the state lists in AdamLists' field order
-        # (params, exp_avgs, exp_avg_sqs, emas, masters: the order _adam_kernel reads them in)
+        # (params, exp_avgs, exp_avg_sqs, emas, masters or remainders: the order _adam_kernel
+        # reads them in)
         self.list_names = [name for name, _ in lists.present() if name != "grads"]
         self.state_lists = [list(getattr(lists, name)) for name in self.list_names]
         self.chunk = int(chunk_size)
@@ -190,7 +193,7 @@ class AdamBucket(Bucket):
         self.n = len(params)
         self.device = params[0].device if params else torch.device("cpu")
         self.p_dt = DTYPE_CODE[params[0].dtype] if params else F32
-        self.s_dt = F32 if self.master else self.p_dt
+        self.s_dt = F32 if self.master or self.remainder else self.p_dt
         # the EMA's storage: the state dtype, or bf16 (schema.REDUCED_EMA_DTYPE)
         emas = lists.emas or []
         self.e_dt = DTYPE_CODE[emas[0].dtype] if emas else self.s_dt
@@ -551,10 +554,10 @@ class AdamBucket(Bucket):
         p_base = b["params"]
         _launch(_adam_kernel, (self.n_chunks,), self.device, self._table, self.n_chunks,
                 self.chunk, self._g_base, p_base, b["exp_avgs"], b["exp_avg_sqs"],
-                b.get("emas", p_base), b.get("masters", p_base), self._scal, flag,
-                gscale, G_DT=g_dt, P_DT=self.p_dt, S_DT=self.s_dt, E_DT=self.e_dt,
-                EMA=self.ema, MASTER=self.master, HAS_SCALE=grad_scale is not None,
-                ALIGN=self.align_mode())
+                b.get("emas", p_base), b.get("masters", b.get("remainders", p_base)),
+                self._scal, flag, gscale, G_DT=g_dt, P_DT=self.p_dt, S_DT=self.s_dt,
+                E_DT=self.e_dt, EMA=self.ema, MASTER=self.master, REM=self.remainder,
+                HAS_SCALE=grad_scale is not None, ALIGN=self.align_mode())
         for st in self._staged:
             st.orig.copy_(st.copy)
 

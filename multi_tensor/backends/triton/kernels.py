@@ -28,8 +28,11 @@ Every kernel mirrors :mod:`multi_tensor.rules` (and ``csrc/include/adam_rule.h``
 fp32 math with ``tl.div_rn``/``tl.sqrt_rn`` (fp64 buckets: ``/`` and ``tl.sqrt``, which are IEEE
 in fp64), every kernel is launched with ``enable_fp_fusion=False`` (no multiply-add contraction),
 negation flips the sign bit, fp32 -> bf16 rounds to nearest even with integer operations (NaN ->
-0x7FC0; the interpreter's own cast truncates), fp32 -> fp16 converts with ``rtne``. Scalars are
-rounded once from double, on the host (``torch`` casts) or on the device (``cvt.rn``).
+0x7FC0; the interpreter's own cast truncates), fp32 -> fp16 converts with ``rtne``. Master
+remainders are joined with their bf16 params into the fp32 masters, and split back, with integer
+operations (:func:`multi_tensor.rules.join_master` / ``split_master``: ties away from zero).
+Scalars are rounded once from double, on the host (``torch`` casts) or on the device
+(``cvt.rn``).
 
 Device-side steps
 -----------------
@@ -52,10 +55,11 @@ import triton.language as tl
 
 from ... import rules
 
-# dtype codes (constexpr kernel arguments)
-F32, F16, BF16, F64 = 0, 1, 2, 3
+# dtype codes (constexpr kernel arguments); I16: raw 16-bit words (a bf16 param's bits or a
+# master remainder), loaded sign-extended to int32 and stored truncated, never converted
+F32, F16, BF16, F64, I16 = 0, 1, 2, 3, 4
 DTYPE_CODE = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16, torch.float64: F64}
-ELEMENT_SIZE = {F32: 4, F16: 2, BF16: 2, F64: 8}
+ELEMENT_SIZE = {F32: 4, F16: 2, BF16: 2, F64: 8, I16: 2}
 # alignment modes (the ALIGN constexpr of the elementwise kernels): no chunk vectorised, the
 # choice made per chunk, every chunk vectorised (no branch)
 ALIGN_NONE, ALIGN_CHUNK, ALIGN_ALL = 0, 1, 2
@@ -99,23 +103,29 @@ STEP_BITS = 32  # the device step counter's binary exponentiation covers steps <
 
 @triton.jit
 def _ld(base, delta, offs, mask, DT: tl.constexpr, MATH: tl.constexpr):
-    """Load elements ``base[delta + offs]`` of dtype code DT, converted exactly to MATH."""
+    """Load elements ``base[delta + offs]`` of dtype code DT, converted exactly to MATH (I16:
+    the words as int32, sign-extended)."""
     ptr = base + delta + offs
     if mask is None:  # whole blocks
         raw = tl.load(ptr)
     else:
         raw = tl.load(ptr, mask=mask, other=0)
-    if DT == 2:  # bf16, through its bits (base is an int16 view)
-        x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    if DT == 4:
+        x = raw.to(tl.int32)
+    elif DT == 2:  # bf16, through its bits (base is an int16 view)
+        x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True).to(MATH)
     else:
-        x = raw.to(tl.float32 if DT != 3 else tl.float64)
-    return x.to(MATH)
+        x = raw.to(tl.float32 if DT != 3 else tl.float64).to(MATH)
+    return x
 
 
 @triton.jit
 def _bits(x, DT: tl.constexpr):
-    """``x`` (fp32 or fp64) as dtype code DT's storage, rounded once to nearest even."""
-    if DT == 3:
+    """``x`` (fp32 or fp64) as dtype code DT's storage, rounded once to nearest even (I16: an
+    integer's low 16 bits)."""
+    if DT == 4:
+        return x.to(tl.int16)
+    elif DT == 3:
         return x.to(tl.float64)
     elif DT == 0:
         return x.to(tl.float32)
@@ -142,7 +152,7 @@ def _ld_halves(base, delta, r8, end, MASKED: tl.constexpr, DT: tl.constexpr,
     thread holding whole rows: a 16-bit list is loaded 8 elements (128 bits) at a time and split
     in registers, a 32-bit list 4 elements (128 bits) per half. Every list then has the same
     elements in the same thread, so no layout conversion (through shared memory) is needed."""
-    if DT == 1 or DT == 2:
+    if DT == 1 or DT == 2 or DT == 4:
         offs = r8 + tl.arange(0, 8)[None, :]
         x = _ld(base, delta, offs, offs < end if MASKED else None, DT, MATH)
         lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 2, 4)), (0, 2, 1)))
@@ -180,7 +190,7 @@ def _st_halves(base, delta, r8, lo, hi, end, MASKED: tl.constexpr, DT: tl.conste
                R: tl.constexpr):
     """The store of :func:`_ld_halves`: a 16-bit list's halves joined in registers into rows of
     8 (one 128-bit store), a 32-bit list's halves stored 4 elements at a time."""
-    if DT == 1 or DT == 2:
+    if DT == 1 or DT == 2 or DT == 4:
         offs = r8 + tl.arange(0, 8)[None, :]
         x = tl.reshape(tl.permute(tl.join(_bits(lo, DT), _bits(hi, DT)), (0, 2, 1)), (R, 8))
         tl.store(base + delta + offs, x, mask=offs < end if MASKED else None)
@@ -192,6 +202,28 @@ def _st_halves(base, delta, r8, lo, hi, end, MASKED: tl.constexpr, DT: tl.conste
         _st(base, delta, offs, lo, offs < end if MASKED else None, DT)
         offs = offs + 4
         _st(base, delta, offs, hi, offs < end if MASKED else None, DT)
+
+
+@triton.jit
+def _join(p, r):
+    """multi_tensor.rules.join_master in integer operations: the fp32 master held as the bf16
+    param bits ``p`` and the remainder ``r`` (both int32, sign-extended). A negative remainder
+    means the param was rounded up (away from zero) from the master's top half: one less."""
+    hi = (p - (r < 0).to(tl.int32)) & 0xFFFF
+    bits = (hi.to(tl.uint32) << 16) | (r & 0xFFFF).to(tl.uint32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split(x):
+    """multi_tensor.rules.split_master in integer operations: (param bits, remainder) of the
+    fp32 master ``x``, as int32 whose low 16 bits are stored. The param is the top half
+    rounded to nearest on the magnitude, ties away from zero (the low half's top bit carries);
+    the remainder is the low half, so a carry shows as a negative remainder."""
+    bits = x.to(tl.uint32, bitcast=True)
+    lo = bits & 0xFFFF
+    hi = ((bits >> 16) + (lo >> 15)) & 0xFFFF
+    return hi.to(tl.int32), lo.to(tl.int32)
 
 
 @triton.jit
@@ -246,14 +278,17 @@ def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, 
                 w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
                 l2, decoupled, use_denom, maximize, inv_scale,
                 G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-                EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-                MATH: tl.constexpr, IS64: tl.constexpr):
+                EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+                HAS_SCALE: tl.constexpr, MATH: tl.constexpr, IS64: tl.constexpr):
     # one block, every list with the same layout (the lists' vector widths agree: see
     # _adam_kernel). E_DT: the EMA's storage (S_DT, or bf16 beside fp32/fp16 state): loaded
     # exactly, rounded once on store. Every list is loaded first, the EMA with the others.
+    # REM: w_base holds the masters' remainders, joined with the params' bits into the masters.
     g = _ld(g_base, g_d, offs, mask, G_DT, MATH)
     if MASTER:
         w = _ld(w_base, w_d, offs, mask, 0, MATH)
+    elif REM:
+        w = _join(_ld(p_base, p_d, offs, mask, 4, MATH), _ld(w_base, w_d, offs, mask, 4, MATH))
     else:
         w = _ld(p_base, p_d, offs, mask, P_DT, MATH)
     m = _ld(m_base, m_d, offs, mask, S_DT, MATH)
@@ -270,7 +305,12 @@ def _adam_block(offs, mask, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, 
         _st(s_base, s_d, offs, s, mask, E_DT)
     if MASTER:
         _st(w_base, w_d, offs, wn, mask, 0)
-    _st(p_base, p_d, offs, wn, mask, P_DT)
+    if REM:
+        ph, rl = _split(wn)
+        _st(p_base, p_d, offs, ph, mask, 4)
+        _st(w_base, w_d, offs, rl, mask, 4)
+    else:
+        _st(p_base, p_d, offs, wn, mask, P_DT)
 
 
 @triton.jit
@@ -278,14 +318,19 @@ def _adam_rows(r8, end, MASKED: tl.constexpr, g_base, g_d, p_base, p_d, m_base, 
                v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
                step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-               EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-               R: tl.constexpr):
+               EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+               HAS_SCALE: tl.constexpr, R: tl.constexpr):
     """_adam_block for lists of 16-bit and 32-bit dtypes together: rows of 8 elements per
     thread, each list loaded and stored in 128-bit vectors (_ld_halves), the math on halves."""
     F: tl.constexpr = tl.float32
     g0, g1 = _ld_halves(g_base, g_d, r8, end, MASKED, G_DT, F, R)
     if MASTER:
         w0, w1 = _ld_halves(w_base, w_d, r8, end, MASKED, 0, F, R)
+    elif REM:
+        p0, p1 = _ld_halves(p_base, p_d, r8, end, MASKED, 4, F, R)
+        q0, q1 = _ld_halves(w_base, w_d, r8, end, MASKED, 4, F, R)
+        w0 = _join(p0, q0)
+        w1 = _join(p1, q1)
     else:
         w0, w1 = _ld_halves(p_base, p_d, r8, end, MASKED, P_DT, F, R)
     m0, m1 = _ld_halves(m_base, m_d, r8, end, MASKED, S_DT, F, R)
@@ -306,7 +351,13 @@ def _adam_rows(r8, end, MASKED: tl.constexpr, g_base, g_d, p_base, p_d, m_base, 
         _st_halves(s_base, s_d, r8, s0, s1, end, MASKED, E_DT, R)
     if MASTER:
         _st_halves(w_base, w_d, r8, w0, w1, end, MASKED, 0, R)
-    _st_halves(p_base, p_d, r8, w0, w1, end, MASKED, P_DT, R)
+    if REM:
+        p0, q0 = _split(w0)
+        p1, q1 = _split(w1)
+        _st_halves(p_base, p_d, r8, p0, p1, end, MASKED, 4, R)
+        _st_halves(w_base, w_d, r8, q0, q1, end, MASKED, 4, R)
+    else:
+        _st_halves(p_base, p_d, r8, w0, w1, end, MASKED, P_DT, R)
 
 
 @triton.jit
@@ -314,8 +365,9 @@ def _adam_vec(start, end, vec, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_
               w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
               l2, decoupled, use_denom, maximize, inv_scale,
               G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-              EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-              CHECK: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr):
+              EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+              HAS_SCALE: tl.constexpr, CHECK: tl.constexpr, TAIL: tl.constexpr,
+              BLOCK: tl.constexpr):
     """The whole blocks of one chunk from ``start`` in 128-bit vectors; returns how many
     elements they cover (0 when ``vec`` is false). CHECK: ``vec`` says whether this chunk is
     aligned (every list's offset a multiple of its vector width, 16 bytes, and ``start`` a
@@ -342,6 +394,8 @@ def _adam_vec(start, end, vec, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_
         s_d = (s_d >> SE) << SE
     if MASTER:
         w_d = (w_d >> 2) << 2
+    if REM:
+        w_d = (w_d >> 3) << 3
     first = (start >> 4) << 4
     # One vector width per loop for every list: when 16-bit and 32-bit lists meet, rows of 8
     # elements per thread (_adam_rows: one 128-bit vector of a 16-bit list, two of a 32-bit
@@ -365,28 +419,28 @@ def _adam_vec(start, end, vec, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_
             _adam_rows(tl.multiple_of(base, 16) + rows, end, False, g_base, g_d, p_base, p_d,
                        m_base, m_d, v_base, v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2,
                        omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w, l2, decoupled,
-                       use_denom, maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER,
+                       use_denom, maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER, REM,
                        HAS_SCALE, R)
             base += BLOCK
         if TAIL and base < end:  # one masked block
             _adam_rows(base + rows, end, True, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
                        v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd,
                        isb2, eps, step_size, ema_w, l2, decoupled, use_denom, maximize,
-                       inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, R)
+                       inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER, REM, HAS_SCALE, R)
     else:
         while base + IB <= end:
             offs = tl.multiple_of(base, 16) + tl.arange(0, IB)
             _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
                         s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
                         step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, REM, HAS_SCALE, MATH, IS64)
             base += IB
         if TAIL and base < end:  # one masked block
             offs = base + tl.arange(0, IB)
             _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d,
                         s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
                         eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+                        G_DT, P_DT, S_DT, E_DT, EMA, MASTER, REM, HAS_SCALE, MATH, IS64)
     if CHECK:
         base = tl.where(vec, base, first)
     return base - first
@@ -397,8 +451,8 @@ def _adam_rest(base, end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_
                w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size, ema_w,
                l2, decoupled, use_denom, maximize, inv_scale,
                G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr, E_DT: tl.constexpr,
-               EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-               RB: tl.constexpr):
+               EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+               HAS_SCALE: tl.constexpr, RB: tl.constexpr):
     """``base <= i < end`` element by element: whole blocks of RB elements unmasked, then one
     masked block (every list in the same 1-D layout, one element per access)."""
     IS64: tl.constexpr = P_DT == 3
@@ -408,24 +462,27 @@ def _adam_rest(base, end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_
         _adam_block(offs, None, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base,
                     s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps,
                     step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, REM, HAS_SCALE, MATH, IS64)
         base += RB
     if base < end:  # the tail: one masked block
         offs = base + tl.arange(0, RB)
         _adam_block(offs, offs < end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d,
                     s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
                     eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale,
-                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, MATH, IS64)
+                    G_DT, P_DT, S_DT, E_DT, EMA, MASTER, REM, HAS_SCALE, MATH, IS64)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "chunk"])
 def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base, w_base, scal,
                  noop, gscale, G_DT: tl.constexpr, P_DT: tl.constexpr, S_DT: tl.constexpr,
-                 E_DT: tl.constexpr, EMA: tl.constexpr, MASTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+                 E_DT: tl.constexpr, EMA: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """One Adam-family update per chunk. w_base: the fp32 masters (MASTER), the int16 master
+    remainders beside bf16 params (REM: joined with the params' bits into the masters and
+    split back, rules.join_master / split_master), else unused."""
     IS64: tl.constexpr = P_DT == 3
     MATH: tl.constexpr = tl.float64 if P_DT == 3 else tl.float32
-    NL: tl.constexpr = 4 + EMA + MASTER
+    NL: tl.constexpr = 4 + EMA + MASTER + REM
     VG: tl.constexpr = 8 if G_DT == 1 or G_DT == 2 else (2 if G_DT == 3 else 4)
     pid = tl.program_id(0).to(tl.int64)
     n = n_chunks.to(tl.int64)
@@ -437,7 +494,7 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
     w_d = p_d
     if EMA:
         s_d = tl.load(table + 4 * n + pid)
-    if MASTER:
+    if MASTER or REM:
         w_d = tl.load(table + (NL - 1) * n + pid)
     numel = tl.load(table + NL * n + pid)
     start = tl.load(table + (NL + 1) * n + pid)
@@ -471,7 +528,7 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
         _adam_vec(start, end, start == start, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
                   v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2,
                   eps, step_size, ema_w, l2, decoupled, use_denom, maximize, inv_scale, G_DT,
-                  P_DT, S_DT, E_DT, EMA, MASTER, HAS_SCALE, False, True, BLOCK)
+                  P_DT, S_DT, E_DT, EMA, MASTER, REM, HAS_SCALE, False, True, BLOCK)
     else:
         base = start
         if ALIGN == 1:
@@ -479,7 +536,7 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
             base += _adam_vec(start, end, vec, g_base, g_d, p_base, p_d, m_base, m_d, v_base,
                               v_d, s_base, s_d, w_base, w_d, beta1, omb1, beta2, omb2, l2_wd,
                               lr_wd, isb2, eps, step_size, ema_w, l2, decoupled, use_denom,
-                              maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER,
+                              maximize, inv_scale, G_DT, P_DT, S_DT, E_DT, EMA, MASTER, REM,
                               HAS_SCALE, True, False, BLOCK)
         # the element-by-element blocks: half blocks; beside _adam_vec, a size of their own
         # (fp64: a quarter block, as _adam_vec runs half blocks there). Two loops on blocks of
@@ -489,7 +546,7 @@ def _adam_kernel(table, n_chunks, chunk, g_base, p_base, m_base, v_base, s_base,
         _adam_rest(base, end, g_base, g_d, p_base, p_d, m_base, m_d, v_base, v_d, s_base, s_d,
                    w_base, w_d, beta1, omb1, beta2, omb2, l2_wd, lr_wd, isb2, eps, step_size,
                    ema_w, l2, decoupled, use_denom, maximize, inv_scale, G_DT, P_DT, S_DT, E_DT,
-                   EMA, MASTER, HAS_SCALE, RB)
+                   EMA, MASTER, REM, HAS_SCALE, RB)
 
 
 @triton.jit
@@ -909,5 +966,6 @@ LAUNCHES: Dict[str, Launch] = {
     "_step_scalars_kernel": Launch(1, {"NBITS": STEP_BITS}),
 }
 # the non-finite scan's NL (the pointer table's rows before numel: the grads and the state
-# lists, 1 + params, exp_avgs, exp_avg_sqs, then an EMA and masters where the bucket has them)
+# lists, 1 + params, exp_avgs, exp_avg_sqs, then an EMA and masters or remainders where the
+# bucket has them)
 NL_VALUES = (4, 5, 6)
