@@ -208,6 +208,11 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         """The step's eager body, under ``torch.no_grad()`` (a compiled step runs it too, behind
         a graph break, for what it cannot trace: :mod:`fused_optim.compiled`)."""
         self._before_step()
+        # nothing but the grads changed since the last step (planning.PlanningMixin._steady_step):
+        # bind and run the buckets, skipping the checks and bookkeeping below that would find
+        # nothing to do (they are most of a small step's fixed cost)
+        if self.state and self._steady_step():
+            return
         if not self.state and self._is_state_init_call():
             self.init_state()
             return
@@ -260,6 +265,7 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
         """Every bucket's hyperparameters, once per (group, step), before any bucket runs (an
         EMA schedule that raises changes nothing)."""
         memo: Dict[tuple, rules.AdamHyper] = {}
+        index_of = {id(group): i for i, group in enumerate(self.param_groups)}
         out = []
         for group, bucket in work:
             step = bucket.step + 1
@@ -270,12 +276,13 @@ class FusedOptimizerBase(CheckpointMixin, ClippingMixin, PlanningMixin, torch.op
                 hyper = memo.get(key)
                 if hyper is None:
                     hyper = memo[key] = self._hyper(group, step)
-            self._note_hyper(group, step, hyper)
+            self._note_hyper(index_of[id(group)], step, hyper)
             out.append(hyper)
         return out
 
-    def _note_hyper(self, group: Dict[str, Any], step: int, hyper: rules.AdamHyper) -> None:
-        """Called for every bucket with the hyperparameters its step uses."""
+    def _note_hyper(self, index: int, step: int, hyper: rules.AdamHyper) -> None:
+        """Called for every bucket with the hyperparameters its step uses (``index``: its
+        group's in ``param_groups``)."""
 
 
     # --- zero_grad ----------------------------------------------------------------------------

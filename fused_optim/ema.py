@@ -64,12 +64,11 @@ class EmaAccessMixin(EmaBufferMixin):
         """
         return ema_schedules.group_ema_decay(type(self).__name__, group, step, checked=True)
 
-    def _note_hyper(self, group: Dict[str, Any], step: int, hyper) -> None:
+    def _note_hyper(self, index: int, step: int, hyper) -> None:
         """The decays each step uses are kept in ``last_ema_decays``."""
         if hyper.ema_decay is not None:
-            index = next(i for i, g in enumerate(self.param_groups) if g is group)
             self.last_ema_decays[(index, step)] = hyper.ema_decay
-        super()._note_hyper(group, step, hyper)
+        super()._note_hyper(index, step, hyper)
 
     def _before_step(self) -> None:
         self._check_not_swapped()

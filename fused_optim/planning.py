@@ -9,6 +9,9 @@ every bucket's ``bind(grads)`` checks cheaply that the grads (and the state) sti
 them; only when a bind fails, when the set of params with grads changes, or after
 ``load_state_dict`` / ``add_param_group``, is the plan built afresh. Every bucket is bound before
 any runs, and a refused plan puts back any state it created, so a rejected step changes nothing.
+A step after which nothing but the grads changed (the same option objects, no GradScaler, no
+clipping, every plan taking its grads) binds and runs the buckets directly
+(:meth:`PlanningMixin._steady_step`).
 
 A group's options are checked when one is replaced (:meth:`PlanningMixin._ensure_checked`), and
 what they mean for the step is worked out then, once (:class:`_GroupOptions`).
@@ -251,6 +254,35 @@ class PlanningMixin:
         grads = tensor_facts.grads_of(group["params"])
         options = self._ensure_checked(group) if any(g is not None for g in grads) else None
         return self._plan(group, grads, options).buckets
+
+    def _steady_step(self) -> bool:
+        """The step when nothing but the grads changed since the last one: every group's
+        options are the objects checked (and its hyperparameters the same at every step), no
+        GradScaler and no clipping, and every group's plan takes its grads (``_GroupPlan.bind``:
+        the same binds as a full step). Then the full step would only bind, note the
+        hyperparameters and run the buckets, which this does without building its work lists,
+        hyperparameter memo and undo journal. Returns False, having run nothing, when any of
+        that does not hold; the full step then runs (re-binding is harmless)."""
+        if (self.max_grad_norm is not None or getattr(self, "found_inf", None) is not None
+                or getattr(self, "grad_scale", None) is not None):
+            return False
+        bound = []
+        for group in self.param_groups:
+            options = self._checked_groups.get(id(group))
+            group_plan = self._plans.get(id(group))
+            if (options is None or options.hyper is None or group_plan is None
+                    or not tensor_facts.same_objects(tuple(group.values()), options.values)
+                    or not group_plan.bind(group["params"], options.signature,
+                                           tensor_facts.grads_of(group["params"]))):
+                return False
+            bound.append((group, options.hyper, group_plan.buckets))
+        for index, (_, hyper, buckets) in enumerate(bound):  # every note before any run
+            for bucket in buckets:
+                self._note_hyper(index, bucket.step + 1, hyper)
+        for _, hyper, buckets in bound:
+            for bucket in buckets:
+                bucket.run(hyper, plan.noop_flag(bucket.device), None, None)
+        return True
 
     def _ensure_checked(self, group: Dict[str, Any]) -> Optional[_GroupOptions]:
         """Check a group's options unless none was replaced since the last check (a scheduler

@@ -68,6 +68,7 @@ magnitudes (``hi == 0x7F7F`` with ``lo >= 0x8000``) are inf, as round to nearest
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Dict, NamedTuple, Optional, Tuple, get_type_hints
@@ -197,26 +198,64 @@ def radam_rect(beta2: float, step: int) -> Optional[float]:
 _ADAM_CONSTANTS: dict = {}
 _ISB2 = StepScalars._fields.index("isb2")
 _STEP_SIZE = StepScalars._fields.index("step_size")
+_SQUARES = 64  # steps below 2**64 take power()'s factors from a table
 
 
-def _adam_constants(h: AdamHyper) -> list:
+def _squares(x: float) -> tuple:
+    """``x, x**2, x**4, ...``: the factors :func:`power` multiplies in, each made as it makes it
+    (squaring the last), for steps below ``2**_SQUARES``."""
+    out, base = [], float(x)
+    for _ in range(_SQUARES):
+        out.append(base)
+        base *= base
+    return tuple(out)
+
+
+# a step's binary digits, least significant first, as bytes 0 and 1 (itertools.compress's mask)
+_DIGITS = bytes.maketrans(b"01", b"\0\1")
+
+
+def _power_by_table(squares: tuple, n: int) -> float:
+    """``power(x, n)`` from ``_squares(x)``, bit for bit: the same double products in the same
+    order (``1.0`` times the factor of each set bit, lowest first), one C loop
+    (``math.prod`` multiplies doubles in order) where :func:`power` runs a Python loop per
+    bit, in every step's fixed cost."""
+    return _powers_by_table(squares, squares, n)[0]
+
+
+def _powers_by_table(squares1: tuple, squares2: tuple, n: int) -> tuple:
+    """:func:`_power_by_table` of two tables at one ``n`` (the two bias corrections)."""
+    if n.bit_length() > _SQUARES:
+        return power(squares1[0], n), power(squares2[0], n)
+    mask = format(n, "b")[::-1].encode().translate(_DIGITS)
+    return (math.prod(itertools.compress(squares1, mask), start=1.0),
+            math.prod(itertools.compress(squares2, mask), start=1.0))
+
+
+def _adam_constants(h: AdamHyper) -> tuple:
+    """``(fields, squares of beta1, squares of beta2)`` of ``h`` (see ``_ADAM_CONSTANTS``)."""
     entry = _ADAM_CONSTANTS.get(id(h))
     if entry is not None and entry[0] is h:
         return entry[1]
     if len(_ADAM_CONSTANTS) >= 64:
         _ADAM_CONSTANTS.clear()
     fields = list(_step_scalars(h, 1))  # isb2 and step_size are replaced per step
-    _ADAM_CONSTANTS[id(h)] = (h, fields)
-    return fields
+    constants = (fields, _squares(h.beta1), _squares(h.beta2))
+    _ADAM_CONSTANTS[id(h)] = (h, constants)
+    return constants
 
 
 def step_scalars(h: AdamHyper, step: int) -> StepScalars:
     """The scalars of update number ``step`` (>= 1), in double."""
     if h.rule == RADAM:
         return _step_scalars(h, step)
-    fields = list(_adam_constants(h))
-    bc1, bc2 = ((1.0 - power(h.beta1, step), 1.0 - power(h.beta2, step))
-                if h.bias_correction else (1.0, 1.0))
+    constants, squares1, squares2 = _adam_constants(h)
+    fields = list(constants)
+    if h.bias_correction:
+        power1, power2 = _powers_by_table(squares1, squares2, step)
+        bc1, bc2 = 1.0 - power1, 1.0 - power2
+    else:
+        bc1, bc2 = 1.0, 1.0
     fields[_ISB2] = 1.0 / math.sqrt(bc2)
     fields[_STEP_SIZE] = h.lr / bc1
     return StepScalars._make(fields)

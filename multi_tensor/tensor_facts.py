@@ -168,7 +168,7 @@ def versions(tensors: Sequence) -> Optional[bytes]:
 
 def same_objects(a: Sequence, b: Sequence) -> bool:
     """Whether ``a`` and ``b`` hold the very same objects in order (identity, never ``==``)."""
-    mod = _mod()
+    mod = _NATIVE
     if mod is None or not isinstance(a, (list, tuple)) or not isinstance(b, (list, tuple)):
         return py_same_objects(a, b)
     return mod.same_objects(a, b)
@@ -195,7 +195,7 @@ def grads_of(params: Sequence, last: Optional[list] = None) -> list:
     exactly those grads (the same tensor objects, None where a param has none): a step whose
     grads were accumulated in place, or reassigned to the same tensors, then builds nothing and
     its binds recognise the list by identity."""
-    mod = _mod()
+    mod = _NATIVE
     if mod is not None and hasattr(mod, "grads_of") and isinstance(params, list):
         out = mod.grads_of(params, last)
         if out is not None:

@@ -11,6 +11,7 @@ import torch
 import helpers
 
 from fused_optim import FusedEmaAdamW
+from fused_optim.planning import PlanningMixin
 from seed_reference import (SeedParamState, assert_bitwise_equal, assert_close64,
                             assert_unchanged, assert_within_ulps, seed_update, snapshot)
 
@@ -648,3 +649,71 @@ def test_ema_of_unstepped_param_is_the_param(backend):
     with opt.swap_ema_weights():
         assert_bitwise_equal(params[1], saved[1])
     assert_unchanged(params, saved)
+
+
+# What happens between steps, and whether the steady-state step (planning._steady_step) may take
+# the next one: the same grads; new grad objects (zero_grad(set_to_none=True)); a new lr object
+# (a scheduler); a param without a grad; GradScaler-style found_inf/grad_scale attributes; a
+# second group added. Every step must give the bits of the full step.
+STEADY_EVENTS = [
+    ("same grads", True),
+    ("new grads", True),
+    ("new lr", False),
+    ("same grads", True),
+    ("one grad None", False),
+    ("same grads", True),
+    ("all grads back", False),
+    ("scaler attributes", False),
+    ("same grads", True),
+    ("add group", False),
+    ("new grads", True),
+]
+
+
+def _steady_run(steady: bool, monkeypatch):
+    params = helpers.make_params([(7,), (3, 5), (2,)], seed=3)
+    extra = helpers.make_params([(4,)], seed=4)
+    opt = FusedEmaAdamW(params, lr=1e-2, ema_decay=0.9)
+    taken = []
+    original = PlanningMixin._steady_step
+
+    def steady_step(self):
+        took = steady and original(self)
+        taken.append(took)
+        return took
+    monkeypatch.setattr(type(opt), "_steady_step", steady_step)
+
+    def set_grads(seed):
+        for p, g in zip(params + extra, helpers.random_grads(params + extra, seed)):
+            p.grad = g
+    set_grads(10)
+    opt.step()
+    for k, (event, _) in enumerate(STEADY_EVENTS):
+        if event == "new grads":
+            set_grads(20 + k)
+        elif event == "new lr":
+            opt.param_groups[0]["lr"] = 5e-3
+        elif event == "one grad None":
+            params[1].grad = None
+        elif event == "all grads back":
+            set_grads(40 + k)
+        elif event == "scaler attributes":
+            opt.grad_scale, opt.found_inf = torch.tensor(2.0), torch.tensor(0.0)
+        elif event == "add group":
+            opt.add_param_group({"params": extra, "lr": 1e-3})
+        taken.clear()
+        opt.step()
+        if event == "scaler attributes":
+            del opt.grad_scale, opt.found_inf
+        yield event, taken[0], [t.clone() for p in params + extra
+                                for t in (p, *opt.state[p].values())]
+
+
+def test_steady_step_takes_the_steady_steps_with_the_full_steps_bits(monkeypatch):
+    full = list(_steady_run(False, monkeypatch))
+    steady = list(_steady_run(True, monkeypatch))
+    for (event, expected), (_, _, want), (_, took, got) in zip(STEADY_EVENTS, full, steady):
+        assert took == expected, event
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert_bitwise_equal(a, b)

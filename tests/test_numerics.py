@@ -172,3 +172,19 @@ def test_ema_of_a_constant_on_the_npu_default_path(mode, decay, steps):
         assert rel <= 1e-5, f"the NPU default's EMA is {rel:.2e} relative off float64"
     else:
         assert rel > 1e-5, f"the literal EMA is {rel:.2e} off: within the bound after all"
+
+
+# (beta, steps): the per-step table of factors (rules._power_by_table, what step_scalars uses)
+# against rules.power's loop, bit for bit: every step of a long run, single set bits, all bits
+# set, the table's end and past it (the loop then), and betas that underflow, are 0, -0 or NaN
+_STEPS = list(range(0, 5000)) + [2 ** k for k in range(70)] + [2 ** k - 1 for k in range(1, 70)]
+POWER_CASES = [(beta, _STEPS) for beta in
+               (0.9, 0.999, 0.95, 1.0 - 1e-7, 0.5, 1e-300, 0.0, -0.0, 1.0, float("nan"))]
+
+
+@pytest.mark.parametrize("beta,steps", POWER_CASES)
+def test_step_scalars_power_table_matches_power_bitwise(beta, steps):
+    squares = rules._squares(beta)
+    got = np.array([rules._power_by_table(squares, n) for n in steps])
+    want = np.array([rules.power(beta, n) for n in steps])
+    assert got.view(np.int64).tolist() == want.view(np.int64).tolist()
