@@ -84,7 +84,7 @@ from multi_tensor.testing import npu_standin  # noqa: E402
 from npucheck.checks import (  # noqa: E402
     check_binding_builds, check_cann_drift, check_cann_step, check_capturable, check_complements,
     check_convert_copy, check_fp64_foreach, check_huge_launch, check_literal_ema,
-    check_quick_norm, check_sqrt_div_rounding, check_torch_path)
+    check_quick_norm, check_sqrt_div_rounding, check_exact_path)
 from npucheck.common import Report, environment, setup  # noqa: E402
 # the tolerance code's names, used by tests/test_npu_standin.py as npu_check.<name>
 from npucheck.tolerances import (  # noqa: E402,F401
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
             stack.enter_context(npu_standin.standin_backend(npu_standin.cann_device_op,
                                                             name=backend))
         environment(device, backend, rep)
-        checks = [check_torch_path, check_cann_step, check_cann_drift, check_literal_ema,
+        checks = [check_exact_path, check_cann_step, check_cann_drift, check_literal_ema,
                   check_fp64_foreach, check_sqrt_div_rounding, check_binding_builds,
                   check_complements, check_convert_copy, check_huge_launch, check_quick_norm,
                   check_capturable]

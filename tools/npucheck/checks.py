@@ -19,21 +19,21 @@ from .tolerances import cann_bounds, one_cann_step
 
 # --- checks ---------------------------------------------------------------------------------------
 
-def check_torch_path(args, device, backend, sync, rep: Report) -> None:
-    rep.say("1. torch path (default) vs reference, bitwise")
+def check_exact_path(args, device, backend, sync, rep: Report) -> None:
+    rep.say("1. exact path (MULTI_TENSOR_NPU_OP=exact) vs reference, bitwise")
     shapes = shapes_for(args.parity_numel, args.parity_tensors, seed=3)
     for dtype, master in ((torch.float32, False), (torch.bfloat16, True)):
-        ours_p, ours, ref_p, ref = pair(shapes, dtype, master, device, backend, "torch")
+        ours_p, ours, ref_p, ref = pair(shapes, dtype, master, device, backend, "exact")
         for k in range(args.parity_steps):
             step_both(ours, ref, ours_p, ref_p, make_grads(shapes, dtype, 100 + k), backend,
-                      "torch", sync)
+                      "exact", sync)
         bad, worst = 0, 0.0
         for name, a, b in state_pairs(ours, ref, ours_p, ref_p):
             n = bitwise_mismatches(a, b)
             if n:
                 bad += n
                 worst = max(worst, ulp_distance(a, b, b.dtype))
-        label = f"torch path {dtype_name(dtype, master)}, {args.parity_steps} steps"
+        label = f"exact path {dtype_name(dtype, master)}, {args.parity_steps} steps"
         rep.check(label, bad == 0,
                   "bitwise equal" if bad == 0 else
                   f"{bad} elements differ, up to {worst:.1f} ulp (torch_npu's div/sqrt are not "
@@ -242,7 +242,7 @@ def check_sqrt_div_rounding(args, device, backend, sync, rep: Report) -> None:
         rep.info("fp32 sqrt on every positive fp32", f"{bad:,} of 2,139,095,039 wrong",
                  mismatches=bad)
         verdict["sqrt"] = verdict["sqrt"] and bad == 0
-    # the torch path may use the device's own sqrt and division only where both are IEEE
+    # the exact path may use the device's own sqrt and division only where both are IEEE
     safe = verdict["sqrt"] and verdict["div"] and args.sqrt_exhaustive
     rep.info(f"{npu.IEEE_ENV}=1",
              "may be set on this device and CANN version (sqrt: every fp32; division: the "

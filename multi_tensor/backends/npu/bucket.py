@@ -212,12 +212,7 @@ class FlatAdamBucket(Bucket):
         caller then runs the ``l2norm`` op). A non-finite grad gives a non-finite norm, which
         is what the clipped step tests; ``noop_flag`` is left alone (setting it would cost two
         launches that nobody reads)."""
-        grads = self._grads
-        if grads is None:
-            raise RuntimeError("FlatAdamBucket.grad_norm() without a successful bind()")
-        if not grads or self.layout.total == 0:
-            return None
-        buf = self._grads_buffer(grads)
+        buf = self._bound_grads_buffer("grad_norm")
         return None if buf is None else npu_ops.norm_flat(buf)
 
     def quick_grad_norm(self) -> Optional[torch.Tensor]:
@@ -228,13 +223,18 @@ class FlatAdamBucket(Bucket):
         exists, and grads assigned by hand. The padding between views of our grad buffer is
         zero (allocated zeroed; backward, ``zero_grad`` and the grad hooks write only views),
         so the buffer's norm is the grads' norm."""
+        buf = self._bound_grads_buffer("quick_grad_norm")
+        return None if buf is None else npu_ops.quick_norm(buf)
+
+    def _bound_grads_buffer(self, caller: str) -> Optional[torch.Tensor]:
+        """The bound grads' flat buffer, or None where there are none or they are not one
+        buffer (:meth:`_grads_buffer`)."""
         grads = self._grads
         if grads is None:
-            raise RuntimeError("FlatAdamBucket.quick_grad_norm() without a successful bind()")
+            raise RuntimeError(f"FlatAdamBucket.{caller}() without a successful bind()")
         if not grads or self.layout.total == 0:
             return None
-        buf = self._grads_buffer(grads)
-        return None if buf is None else npu_ops.quick_norm(buf)
+        return self._grads_buffer(grads)
 
     # --- pieces -------------------------------------------------------------------------------
     def _host_scale(self, grad_scale) -> Optional[float]:
